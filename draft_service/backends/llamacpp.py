@@ -1,0 +1,181 @@
+"""Draft backend on llama.cpp (llama-cpp-python): a GGUF model, quantised, fast on CPU.
+
+All sessions share one llama.cpp context with a unified KV pool; each session owns a sequence
+slot (seq_id) in it. Prefix reuse crops the slot with ``llama_memory_seq_rm`` and decodes only the
+new suffix, exactly like the transformers backends crop their DynamicCache. The pool is sized
+from the KV budget, so the SessionStore's byte accounting is what keeps it from overflowing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import numpy as np
+import torch
+
+from specdec import sampling as sm
+from specdec.engine import ModelInfo
+from specdec.errors import ResourceExhausted
+from specdec.models import gguf_tokenizer_fingerprint, resolve_gguf
+from specdec.sessions import Session, SessionStore, common_prefix_len
+
+from draft_service.proposer import Proposal, Proposer, draft_loop
+
+logger = logging.getLogger(__name__)
+
+
+class LlamaCppProposer(Proposer):
+    backend = "llamacpp"
+
+    def __init__(self, model_path: str, max_sessions: int, kv_budget_bytes: int, ttl_s: float,
+                 max_draft_tokens: int, threads: int = 0, n_batch: int = 512) -> None:
+        import llama_cpp
+        from llama_cpp import _internals as internals
+        from llama_cpp import _logger as llama_logger
+
+        # llama.cpp prints its load and graph logs unless told otherwise; keep errors only.
+        llama_logger.set_verbose(False)
+
+        self._ll = llama_cpp
+        self.model_path = model_path
+        self.lock = threading.Lock()
+        llama_cpp.llama_backend_init()
+        self._model = internals.LlamaModel(
+            path_model=model_path, params=llama_cpp.llama_model_default_params(), verbose=False
+        )
+        m = self._model.model
+        n_layer = llama_cpp.llama_model_n_layer(m)
+        n_head = llama_cpp.llama_model_n_head(m)
+        n_head_kv = llama_cpp.llama_model_n_head_kv(m)
+        head_dim = llama_cpp.llama_model_n_embd(m) // max(1, n_head)
+        # K and V, f16 each (llama.cpp's default KV type).
+        self.bytes_per_token = 2 * n_layer * n_head_kv * head_dim * 2
+        n_ctx_train = llama_cpp.llama_model_n_ctx_train(m)
+        slots = min(max_sessions, llama_cpp.llama_max_parallel_sequences())
+        pool = int(min(kv_budget_bytes // self.bytes_per_token, slots * n_ctx_train))
+        if pool < 64:
+            raise ValueError(f"KV budget of {kv_budget_bytes} bytes holds only {pool} tokens of this model")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = pool
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = slots
+        params.kv_unified = True  # sessions share one pool; any one may grow to the whole of it
+        params.no_perf = True
+        nthreads = threads or os.cpu_count() or 1
+        params.n_threads = nthreads
+        params.n_threads_batch = nthreads
+        self._ctx = internals.LlamaContext(model=self._model, params=params, verbose=False)
+        self._batch = internals.LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=False)
+        self.n_batch = n_batch
+        self._vocab = llama_cpp.llama_model_get_vocab(m)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self._free_slots = list(range(slots - 1, -1, -1))
+        store = SessionStore(slots, pool * self.bytes_per_token, ttl_s, on_evict=self._free_slot)
+        super().__init__(store, max_draft_tokens)
+
+        fingerprint, _, eos = gguf_tokenizer_fingerprint(model_path)
+        eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
+        self._eos = eog | set(eos)
+        self._info = ModelInfo(
+            model_id=model_path,
+            architecture=self._model.metadata().get("general.architecture", "gguf"),
+            vocab_size=self.n_vocab,
+            tokenizer_fingerprint=fingerprint,
+            max_context=min(n_ctx_train, pool),
+            dtype=_file_type(self._model.metadata()),
+            device="cpu",
+            backend=self.backend,
+            max_draft_tokens=max_draft_tokens,
+            eos_token_ids=sorted(self._eos),
+        )
+        logger.info("llama.cpp: %d threads, KV pool %d tokens in %d slots (%d B/token)",
+                    nthreads, pool, slots, self.bytes_per_token)
+
+    @classmethod
+    def from_settings(cls, settings) -> LlamaCppProposer:
+        return cls(str(resolve_gguf(settings.model)), settings.max_sessions, settings.kv_budget_bytes,
+                   settings.session_ttl_s, settings.max_draft_tokens, settings.threads)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def release(self, session_id: str) -> bool:
+        with self.lock:
+            return super().release(session_id)
+
+    def _free_slot(self, session: Session) -> None:
+        if session.cache is not None:
+            self._ctx.kv_cache_seq_rm(session.cache, -1, -1)
+            self._free_slots.append(session.cache)
+            session.cache = None
+
+    def _decode(self, slot: int, tokens: list[int], first_pos: int) -> None:
+        """Decode ``tokens`` at positions first_pos.. in sequence ``slot``; logits of the last only."""
+        b = self._batch.batch
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            for i, tok in enumerate(chunk):
+                b.token[i] = tok
+                b.pos[i] = first_pos + start + i
+                b.seq_id[i][0] = slot
+                b.n_seq_id[i] = 1
+                b.logits[i] = False
+            b.logits[len(chunk) - 1] = True
+            b.n_tokens = len(chunk)
+            rc = self._ll.llama_decode(self._ctx.ctx, b)
+            if rc == 1:
+                raise ResourceExhausted("llama.cpp KV pool has no room for this sequence")
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _last_logits(self) -> torch.Tensor:
+        ptr = self._ll.llama_get_logits_ith(self._ctx.ctx, -1)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+
+    def _extend(self, session: Session, tokens: list[int]) -> tuple[torch.Tensor, int]:
+        """Make the slot cover ``tokens``; return the logits after them and the reused prefix."""
+        if session.cache is None:
+            if not self._free_slots:  # all slots held: the store's count bound makes this rare
+                raise ResourceExhausted("no free llama.cpp sequence slot")
+            session.cache = self._free_slots.pop()
+            session.tokens = []
+        cached = min(common_prefix_len(session.tokens, tokens), len(tokens) - 1)
+        self._ctx.kv_cache_seq_rm(session.cache, cached, -1)
+        new = tokens[cached:]
+        self.store.reserve(session, (len(tokens) - len(session.tokens)) * self.bytes_per_token)
+        try:
+            self._decode(session.cache, new, cached)
+        except Exception:
+            # The slot's contents are unknown after a failed decode: start it afresh next time.
+            self._ctx.kv_cache_seq_rm(session.cache, -1, -1)
+            self.store.update(session, [], 0)
+            raise
+        self.store.update(session, list(tokens), len(tokens) * self.bytes_per_token)
+        return self._last_logits(), cached
+
+    def _propose(self, session_id, tokens, k, threshold, sampling, return_distributions) -> Proposal:
+        with self.lock:
+            session = self.store.get_or_create(session_id, lambda: None)
+            cached_first = -1
+
+            def next_probs(drafted: list[int]) -> torch.Tensor:
+                nonlocal cached_first
+                logits, cached = self._extend(session, tokens + drafted)
+                if cached_first < 0:
+                    cached_first = cached
+                return sm.probabilities(logits, sampling)
+
+            proposal = draft_loop(next_probs, k, len(tokens), threshold, sampling, self._eos, return_distributions)
+        proposal.cached_tokens = cached_first
+        return proposal
+
+
+def _file_type(metadata: dict[str, str]) -> str:
+    # general.file_type is llama.cpp's LLAMA_FTYPE enum; name the common ones.
+    names = {"0": "F32", "1": "F16", "2": "Q4_0", "3": "Q4_1", "7": "Q8_0", "8": "Q5_0", "9": "Q5_1",
+             "15": "Q4_K_M", "17": "Q5_K_M", "18": "Q6_K", "32": "BF16"}
+    return names.get(metadata.get("general.file_type", ""), "gguf")

@@ -1,0 +1,66 @@
+"""Model-free prompt-lookup drafting: propose what followed the latest earlier occurrence of the
+sequence's last n-gram (Saxena 2023, "prompt lookup decoding"; vLLM's ngram proposer).
+
+Cheap and surprisingly good when the output copies from the prompt (summaries, code edits,
+extraction). Its "distribution" is one-hot on the proposed token, which keeps lossless sampling
+exact: a rejected token is then resampled from the target's p with that token removed.
+"""
+
+from __future__ import annotations
+
+from specdec.engine import ModelInfo
+from specdec.sessions import SessionStore
+
+from draft_service.proposer import Proposal, Proposer, StopReason
+
+
+def find_continuation(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to ``k`` tokens that followed the most recent earlier match of the longest suffix n-gram
+    (n from ``max_ngram`` down to ``min_ngram``); [] when no suffix n-gram occurred before."""
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = tokens[length - n :]
+        # Latest match first: recent context predicts best. The suffix itself (start length - n)
+        # is excluded, and a match must leave at least one token after it.
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start] == suffix[0] and tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+class NgramProposer(Proposer):
+    backend = "ngram"
+
+    def __init__(self, store: SessionStore, max_draft_tokens: int, max_ngram: int, min_ngram: int,
+                 vocab_size: int, max_context: int) -> None:
+        super().__init__(store, max_draft_tokens)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._info = ModelInfo(
+            model_id=f"ngram(n={min_ngram}..{max_ngram})",
+            architecture="prompt-lookup",
+            vocab_size=vocab_size,
+            tokenizer_fingerprint="",  # tokenizer-agnostic
+            max_context=max_context,
+            dtype="none",
+            device="cpu",
+            backend=self.backend,
+            max_draft_tokens=max_draft_tokens,
+        )
+
+    @classmethod
+    def from_settings(cls, settings) -> NgramProposer:
+        store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
+        return cls(store, settings.max_draft_tokens, settings.ngram_max, settings.ngram_min,
+                   settings.ngram_vocab_size, settings.ngram_max_context)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def _propose(self, session_id, tokens, k, threshold, sampling, return_distributions) -> Proposal:
+        draft = find_continuation(tokens, k, self.max_ngram, self.min_ngram)
+        if not draft:
+            return Proposal([], [], StopReason.NO_CANDIDATE)
+        dists = [([t], [1.0]) for t in draft] if return_distributions else []
+        reason = StopReason.MAX_TOKENS if len(draft) == k else StopReason.NO_CANDIDATE
+        return Proposal(draft, [1.0] * len(draft), reason, dists)

@@ -1,0 +1,33 @@
+"""Draft service configuration: SPECDEC_DRAFT_* variables or CLI flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from specdec.settings import ModelServiceSettings
+
+
+class DraftSettings(ModelServiceSettings):
+    """Draft service: llama.cpp on the embedded GGUF by default."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_DRAFT_", cli_prog_name="python -m draft_service")
+
+    backend: Literal["llamacpp", "transformers", "ngram"] = Field(
+        "llamacpp", description="Draft backend: llamacpp (GGUF), transformers (any causal LM), ngram (prompt lookup)."
+    )
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one).")
+    metrics_port: int | None = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
+    kv_budget_mb: float = Field(256, gt=0, description="KV cache budget in MiB across sessions (LRU eviction).")
+    ngram_max: int = Field(3, ge=1, description="ngram backend: longest suffix n-gram to look up.")
+    ngram_min: int = Field(1, ge=1, description="ngram backend: shortest suffix n-gram to look up.")
+    ngram_vocab_size: int = Field(1 << 20, ge=1, description="ngram backend: ids must be below this.")
+    ngram_max_context: int = Field(1 << 20, ge=2, description="ngram backend: longest sequence accepted.")
+
+    @model_validator(mode="after")
+    def _check_ngram(self) -> DraftSettings:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        return self

@@ -1,0 +1,35 @@
+"""protobuf <-> domain conversions shared by servicers and clients."""
+
+from __future__ import annotations
+
+from specdec import sampling as sm
+from specdec.engine import ModelInfo
+from specdec.v1 import specdec_pb2 as pb
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> sm.Sampling:
+    # proto3 zero values mean "off": top_p 0 is no nucleus filtering.
+    top_p = msg.top_p if msg.top_p > 0 else 1.0
+    return sm.Sampling(temperature=msg.temperature, top_p=top_p, top_k=msg.top_k, seed=msg.seed)
+
+
+def sampling_to_pb(s: sm.Sampling) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+
+
+def info_to_pb(info: ModelInfo) -> pb.InfoResponse:
+    return pb.InfoResponse(
+        model_id=info.model_id,
+        architecture=info.architecture,
+        vocab_size=info.vocab_size,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        max_context=info.max_context,
+        dtype=info.dtype,
+        device=info.device,
+        backend=info.backend,
+        max_draft_tokens=info.max_draft_tokens,
+        sessions=info.sessions,
+        kv_bytes=info.kv_bytes,
+        kv_budget_bytes=info.kv_budget_bytes,
+        eos_token_ids=info.eos_token_ids,
+    )

@@ -1,0 +1,146 @@
+"""Pieces shared by the draft and target engines: request validation, model description, and
+:class:`CachedCausalLM`, a transformers model with per-session KV caches and prefix reuse.
+
+Engines never import grpc; servicers translate their results and map :mod:`specdec.errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdec.errors import InvalidArgument
+from specdec.sessions import Session, SessionStore, common_prefix_len
+
+logger = logging.getLogger(__name__)
+
+MAX_SESSION_ID_LEN = 128
+
+
+@dataclass
+class ModelInfo:
+    """What a model service tells about itself (see InfoResponse in the proto)."""
+
+    model_id: str
+    architecture: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_context: int
+    dtype: str
+    device: str
+    backend: str
+    max_draft_tokens: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    sessions: int = 0
+    kv_bytes: int = 0
+    kv_budget_bytes: int = 0
+
+
+def validate_session_id(session_id: str) -> None:
+    if not session_id or len(session_id) > MAX_SESSION_ID_LEN or not session_id.isprintable():
+        raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LEN} printable characters, got {session_id!r}")
+
+
+def validate_tokens(tokens: Sequence[int], vocab_size: int, what: str = "tokens", allow_empty: bool = False) -> None:
+    if not tokens and not allow_empty:
+        raise InvalidArgument(f"{what} must not be empty")
+    if tokens:
+        bad = max(tokens)
+        if bad >= vocab_size:
+            raise InvalidArgument(f"{what} holds id {bad}, outside the vocabulary of {vocab_size} ids")
+
+
+def validate_context(length: int, max_context: int, what: str) -> None:
+    if length > max_context:
+        raise InvalidArgument(f"{what} is {length} tokens, over the model's maximum context of {max_context}")
+
+
+def eos_ids(config: Any, tokenizer: Any | None = None) -> list[int]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+    ids: set[int] = set()
+    for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return sorted(ids)
+
+
+def max_context_of(config: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+class CachedCausalLM:
+    """A transformers causal LM whose sessions keep their own ``DynamicCache``.
+
+    :meth:`extend` makes a session's cache cover ``tokens + extra``, reusing the longest common
+    prefix with what the cache held, cropping the rest, and running one forward pass over the new
+    suffix only. Callers hold :attr:`lock` around it: one forward at a time per model.
+    """
+
+    def __init__(self, model: Any, store: SessionStore) -> None:
+        self.model = model
+        self.store = store
+        self.lock = threading.Lock()
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_context = max_context_of(model.config)
+        self.device = next(model.parameters()).device
+        self.bytes_per_token = self._measure_bytes_per_token()
+
+    def _measure_bytes_per_token(self) -> int:
+        """Run one token through the model (also warms it up) and read the cache size."""
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=self.device), use_cache=True)
+        return max(1, cache_nbytes(out.past_key_values) // 2)
+
+    def session(self, session_id: str) -> Session:
+        return self.store.get_or_create(session_id, lambda: None)
+
+    def extend(self, session: Session, tokens: list[int], extra: Sequence[int] = ()) -> tuple[torch.Tensor, int]:
+        """Forward the uncached part of ``tokens + extra``.
+
+        Returns:
+            logits: [len(extra) + 1, V] fp32; row i predicts the token after ``(tokens + extra)[:len(tokens) + i]``.
+            cached: how many leading tokens were reused from the session's cache.
+        """
+        full = tokens + list(extra)
+        # At least the last committed token is recomputed: its logits are needed.
+        cached = min(common_prefix_len(session.tokens, tokens), len(tokens) - 1)
+        cache = session.cache
+        if cache is not None:
+            held = cache.get_seq_length()
+            if cached == 0:
+                cache = None
+            elif held > cached:
+                cache.crop(cached - held)
+        new = full[cached:]
+        self.store.reserve(session, (len(full) - len(session.tokens)) * self.bytes_per_token)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([new], dtype=torch.long, device=self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=len(extra) + 1,
+            )
+        session.cache = out.past_key_values
+        self.store.update(session, full, len(full) * self.bytes_per_token)
+        return out.logits[0].float(), cached
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes held by a transformers cache's key/value tensors."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,158 @@
+"""Token selection and verification math, pure torch, no models.
+
+Vocabulary (as in vLLM's rejection sampler):
+- *draft tokens*: the k tokens the draft model proposed after the committed sequence;
+- *accepted*: the leading draft tokens the target keeps;
+- *correction*: the target's token at the first rejected position;
+- *bonus*: the target's token after the last draft token when all k are accepted.
+One verification therefore always yields ``num_accepted + 1`` new tokens.
+
+Greedy verification accepts while the draft token equals the target's argmax. Sampling uses the
+lossless rejection scheme of Leviathan et al. 2023 ("Fast Inference from Transformers via
+Speculative Decoding") and Chen et al. 2023: accept x with probability min(1, p(x)/q(x)); on
+rejection draw from normalize(max(0, p - q)); when all are accepted draw the bonus from p. The
+output is then distributed exactly as sampling from p alone.
+
+Randomness is keyed by (seed, absolute position, stream), not drawn from a running generator, so a
+seeded request gives the same output whatever k schedule or retries produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Independent random streams at one position.
+STREAM_DRAFT = 1  # the draft's own sample
+STREAM_ACCEPT = 2  # the uniform draw of the acceptance test
+STREAM_TARGET = 3  # the target's sample (correction, bonus or plain decoding step)
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling transform; ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        from specdec.errors import InvalidArgument
+
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
+
+
+def _mix(seed: int, position: int, stream: int) -> int:
+    """splitmix64 of (seed, position, stream): a well-spread 63-bit generator seed."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def generator(seed: int, position: int, stream: int) -> torch.Generator:
+    """A CPU generator for one draw at ``position`` of ``stream``."""
+    return torch.Generator().manual_seed(_mix(seed, position, stream))
+
+
+def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Apply temperature, top-k, top-p to ``logits`` [..., V]; return probabilities [..., V] (fp32).
+
+    Greedy requests get the plain softmax (used for confidences and target probabilities).
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        return torch.softmax(logits, dim=-1)
+    logits = logits / sampling.temperature
+    vocab = logits.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0.0 < sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(probs: torch.Tensor, seed: int, position: int, stream: int) -> int:
+    """Draw one token id from ``probs`` [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator(seed, position, stream)).item())
+
+
+def uniform(seed: int, position: int) -> float:
+    """The acceptance test's uniform draw in [0, 1) at ``position``."""
+    return float(torch.rand(1, generator=generator(seed, position, STREAM_ACCEPT)).item())
+
+
+def to_sparse(probs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Support of ``probs`` [V] as (ids, probabilities)."""
+    ids = torch.nonzero(probs > 0, as_tuple=True)[0]
+    return ids.tolist(), probs[ids].tolist()
+
+
+def to_dense(ids: list[int], probs: list[float], vocab_size: int) -> torch.Tensor:
+    """Inverse of :func:`to_sparse`: a [V] tensor."""
+    out = torch.zeros(vocab_size, dtype=torch.float32)
+    if ids:
+        out[torch.tensor(ids, dtype=torch.long)] = torch.tensor(probs, dtype=torch.float32)
+    return out
+
+
+def verify_greedy(target_argmax: list[int], draft: list[int]) -> tuple[int, int]:
+    """Greedy verification.
+
+    Args:
+        target_argmax: the target's argmax at each draft position plus one more, [k + 1].
+        draft: draft token ids, [k].
+    Returns:
+        (num_accepted, next_token): next_token is the correction or the bonus token.
+    """
+    n = 0
+    while n < len(draft) and draft[n] == target_argmax[n]:
+        n += 1
+    return n, target_argmax[n]
+
+
+def verify_sampling(
+    p: torch.Tensor, q: torch.Tensor, draft: list[int], seed: int, first_position: int
+) -> tuple[int, int]:
+    """Lossless rejection sampling.
+
+    Args:
+        p: target probabilities (after the sampling transform), [k + 1, V].
+        q: draft probabilities the draft tokens were sampled from, [k, V].
+        draft: draft token ids, [k].
+        seed: the request's seed.
+        first_position: absolute sequence position of draft[0].
+    Returns:
+        (num_accepted, next_token).
+    """
+    for i, x in enumerate(draft):
+        px, qx = float(p[i, x]), float(q[i, x])
+        # qx == 0 cannot happen for a token the draft sampled; treat it as a sure rejection.
+        if qx > 0 and uniform(seed, first_position + i) < min(1.0, px / qx):
+            continue
+        residual = torch.clamp(p[i] - q[i], min=0.0)
+        total = float(residual.sum())
+        # p == q up to rounding leaves no residual mass; p itself is then the right law.
+        dist = residual / total if total > 1e-12 else p[i]
+        return i, sample(dist, seed, first_position + i, STREAM_TARGET)
+    k = len(draft)
+    return k, sample(p[k], seed, first_position + k, STREAM_TARGET)

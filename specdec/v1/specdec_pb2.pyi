@@ -1,0 +1,153 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftStopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_STOP_REASON_UNSPECIFIED: _ClassVar[DraftStopReason]
+    DRAFT_STOP_REASON_MAX_TOKENS: _ClassVar[DraftStopReason]
+    DRAFT_STOP_REASON_LOW_CONFIDENCE: _ClassVar[DraftStopReason]
+    DRAFT_STOP_REASON_EOS: _ClassVar[DraftStopReason]
+    DRAFT_STOP_REASON_CONTEXT_LIMIT: _ClassVar[DraftStopReason]
+    DRAFT_STOP_REASON_NO_CANDIDATE: _ClassVar[DraftStopReason]
+DRAFT_STOP_REASON_UNSPECIFIED: DraftStopReason
+DRAFT_STOP_REASON_MAX_TOKENS: DraftStopReason
+DRAFT_STOP_REASON_LOW_CONFIDENCE: DraftStopReason
+DRAFT_STOP_REASON_EOS: DraftStopReason
+DRAFT_STOP_REASON_CONTEXT_LIMIT: DraftStopReason
+DRAFT_STOP_REASON_NO_CANDIDATE: DraftStopReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session_id", "tokens", "max_draft_tokens", "confidence_threshold", "sampling", "return_distributions")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RETURN_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    max_draft_tokens: int
+    confidence_threshold: float
+    sampling: SamplingParams
+    return_distributions: bool
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., confidence_threshold: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_distributions: _Optional[bool] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("draft_tokens", "confidences", "stop_reason", "distributions", "cached_tokens", "compute_ns")
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    confidences: _containers.RepeatedScalarFieldContainer[float]
+    stop_reason: DraftStopReason
+    distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    cached_tokens: int
+    compute_ns: int
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[DraftStopReason, str]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "tokens", "draft_tokens", "sampling", "draft_distributions", "return_target_probs")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    return_target_probs: bool
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., return_target_probs: _Optional[bool] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("num_accepted", "next_token", "target_probs", "next_token_prob", "cached_tokens", "compute_ns")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_PROB_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    next_token: int
+    target_probs: _containers.RepeatedScalarFieldContainer[float]
+    next_token_prob: float
+    cached_tokens: int
+    compute_ns: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., target_probs: _Optional[_Iterable[float]] = ..., next_token_prob: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model_id", "architecture", "vocab_size", "tokenizer_fingerprint", "max_context", "dtype", "device", "backend", "max_draft_tokens", "sessions", "kv_bytes", "kv_budget_bytes", "eos_token_ids")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    architecture: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_context: int
+    dtype: str
+    device: str
+    backend: str
+    max_draft_tokens: int
+    sessions: int
+    kv_bytes: int
+    kv_budget_bytes: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

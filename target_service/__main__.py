@@ -1,0 +1,39 @@
+"""``python -m target_service``: serve the target model over gRPC (default port 50052)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from specdec.runtime import configure_torch, start_metrics
+from specdec.server import configure_logging, serve_forever
+from specdec.sessions import SessionStore
+from target_service.settings import TargetSettings
+
+logger = logging.getLogger("target_service")
+
+
+def main() -> None:
+    settings = TargetSettings(_cli_parse_args=True)
+    configure_logging(settings.log_level)
+    configure_torch(settings.threads)
+    from specdec.models import load_hf
+    from target_service.engine import TargetEngine
+    from target_service.servicer import build_server
+
+    t0 = time.perf_counter()
+    loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
+    store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
+    engine = TargetEngine(loaded, store, settings.max_draft_tokens)
+    server, port, health = build_server(engine, settings.address, settings.workers)
+    start_metrics(settings.metrics_port)
+    info = engine.info()
+    logger.info(
+        "target %s (%s, %s, vocab %d, context %d) ready on port %d in %.1f s",
+        info.model_id, info.architecture, info.dtype, info.vocab_size, info.max_context, port, time.perf_counter() - t0,
+    )
+    serve_forever(server, health)
+
+
+if __name__ == "__main__":
+    main()

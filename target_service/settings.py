@@ -1,0 +1,17 @@
+"""Target service configuration: SPECDEC_TARGET_* variables or CLI flags."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from specdec.settings import ModelServiceSettings
+
+
+class TargetSettings(ModelServiceSettings):
+    """Target service: a transformers causal LM (``gpt2`` is the mission's target)."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_TARGET_", cli_prog_name="python -m target_service")
+
+    port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 picks a free one).")
+    metrics_port: int | None = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")

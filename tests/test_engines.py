@@ -1,0 +1,211 @@
+"""Draft and target engines on tiny real architectures (GPT-2, Llama), no gRPC."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_service.backends.hf import TransformersProposer
+from draft_service.proposer import StopReason
+from specdec import sampling as sm
+from specdec.errors import InvalidArgument, ResourceExhausted
+from specdec.models import load_hf
+from specdec.sessions import SessionStore
+from target_service.engine import TargetEngine
+from tests.conftest import greedy_reference
+
+ARCHS = ["gpt2", "llama"]
+
+
+def store(max_bytes: int = 1 << 30, max_sessions: int = 16) -> SessionStore:
+    return SessionStore(max_sessions, max_bytes, ttl_s=0)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models, arch):
+    return TargetEngine(load_hf(tiny_models[f"{arch}-target"]), store())
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return [7, 3, 12, 5, 9, 20, 2, 11]
+
+
+def test_verify_matches_step_by_step_greedy(target, prompt):
+    ref = greedy_reference(target.loaded.model, prompt, 6)
+    # draft = the first 3 reference tokens, then a wrong one, then anything
+    wrong = (ref[3] + 1) % target.info().vocab_size
+    draft = ref[:3] + [wrong, ref[4]]
+    v = target.verify("greedy", prompt, draft)
+    assert (v.num_accepted, v.next_token) == (3, ref[3])
+    # a draft identical to the target's greedy continuation is accepted in full, plus the bonus
+    v = target.verify("greedy", prompt, ref[:5])
+    assert (v.num_accepted, v.next_token) == (5, ref[5])
+    # an empty draft is one plain decoding step
+    v = target.verify("plain", prompt)
+    assert (v.num_accepted, v.next_token) == (0, ref[0])
+
+
+def test_cache_reuses_exactly_the_common_prefix(target, prompt):
+    sid = "prefix"
+    target.verify(sid, prompt, [1, 2, 3])
+    session = target.store.get_or_create(sid, lambda: None)
+    assert session.cache.get_seq_length() == len(prompt) + 3
+    # same prompt, one accepted draft token + next token: everything before them is reused
+    v = target.verify(sid, prompt + [1, 4])
+    assert v.cached_tokens == len(prompt) + 1
+    assert session.cache.get_seq_length() == len(prompt) + 2
+    # a sequence diverging at position 5 reuses exactly 5 tokens
+    diverged = prompt[:5] + [30, 31, 32]
+    v = target.verify(sid, diverged, [4])
+    assert v.cached_tokens == 5
+    assert session.cache.get_seq_length() == len(diverged) + 1
+    # and the result equals a fresh session's (cache reuse changes nothing)
+    fresh = target.verify("fresh-" + sid, diverged, [4])
+    assert (v.num_accepted, v.next_token) == (fresh.num_accepted, fresh.next_token)
+
+
+def test_greedy_decoding_by_repeated_verify_with_cache(target, prompt):
+    ref = greedy_reference(target.loaded.model, prompt, 12)
+    seq = list(prompt)
+    while len(seq) < len(prompt) + 12:
+        seq.append(target.verify("loop", seq).next_token)
+    assert seq[len(prompt):] == ref
+
+
+@pytest.fixture(scope="module")
+def same_draft(tiny_models, arch):
+    """A draft that is the target model itself: its proposals must be accepted in full."""
+    return TransformersProposer(load_hf(tiny_models[f"{arch}-target"]), store(), max_draft_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny_models, arch):
+    return TransformersProposer(load_hf(tiny_models[f"{arch}-draft"]), store(), max_draft_tokens=8)
+
+
+def test_identical_draft_is_accepted_in_full(target, same_draft, prompt):
+    p = same_draft.propose("same", prompt, 6)
+    assert p.stop_reason is StopReason.MAX_TOKENS and len(p.tokens) == 6
+    v = target.verify("same", prompt, p.tokens)
+    assert v.num_accepted == 6
+    assert p.tokens + [v.next_token] == greedy_reference(target.loaded.model, prompt, 7)
+
+
+def test_draft_cache_reuse_and_divergence(other_draft, prompt):
+    p1 = other_draft.propose("d", prompt, 4)
+    assert p1.cached_tokens == 0
+    # the target accepted 2 tokens and corrected the third: the draft's cache covers prompt + 2
+    seq = prompt + p1.tokens[:2] + [(p1.tokens[2] + 1) % 40]
+    p2 = other_draft.propose("d", seq, 4)
+    assert p2.cached_tokens == len(prompt) + 2
+    fresh = other_draft.propose("d-fresh", seq, 4)
+    assert p2.tokens == fresh.tokens
+
+
+def test_confidence_early_stop(other_draft, prompt):
+    full = other_draft.propose("c", prompt, 8, confidence_threshold=0.0)
+    assert len(full.tokens) == 8 and full.stop_reason is StopReason.MAX_TOKENS
+    # cut at the first token less confident than every token before it
+    confs = full.confidences
+    i = next(i for i in range(1, len(confs)) if confs[i] < min(confs[:i]))
+    threshold = (confs[i] + min(confs[:i])) / 2
+    early = other_draft.propose("c", prompt, 8, confidence_threshold=threshold)
+    assert early.stop_reason is StopReason.LOW_CONFIDENCE
+    assert early.tokens == full.tokens[: i + 1]  # the low-confidence token is still returned
+    assert all(c >= threshold for c in early.confidences[:-1]) and early.confidences[-1] < threshold
+    # threshold 1 stops after the first token
+    one = other_draft.propose("c", prompt, 8, confidence_threshold=1.0)
+    assert len(one.tokens) == 1 and one.stop_reason is StopReason.LOW_CONFIDENCE
+
+
+def test_draft_stops_at_context_limit(other_draft):
+    max_ctx = other_draft.info().max_context
+    p = other_draft.propose("ctx", [5] * (max_ctx - 3), 8)
+    assert len(p.tokens) == 2 and p.stop_reason is StopReason.CONTEXT_LIMIT
+
+
+def test_sampling_proposal_carries_distributions(target, other_draft, prompt):
+    s = sm.Sampling(temperature=0.8, top_k=10, seed=3)
+    p = other_draft.propose("s", prompt, 4, sampling=s, return_distributions=True)
+    assert len(p.distributions) == len(p.tokens)
+    for tok, conf, (ids, probs) in zip(p.tokens, p.confidences, p.distributions):
+        assert len(ids) <= 10 and tok in ids
+        assert abs(probs[ids.index(tok)] - conf) < 1e-6
+        assert abs(sum(probs) - 1) < 1e-4
+    again = other_draft.propose("s2", prompt, 4, sampling=s, return_distributions=True)
+    assert again.tokens == p.tokens  # seeded
+    v = target.verify("s", prompt, p.tokens, s, p.distributions)
+    assert 0 <= v.num_accepted <= len(p.tokens)
+    with pytest.raises(InvalidArgument, match="one draft distribution per draft token"):
+        target.verify("s", prompt, p.tokens, s, [])
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda t: t.verify("x", []), "must not be empty"),
+        (lambda t: t.verify("x", [1, 10_000]), "outside the vocabulary"),
+        (lambda t: t.verify("x", [1], [10_000]), "outside the vocabulary"),
+        (lambda t: t.verify("", [1]), "session_id"),
+        (lambda t: t.verify("x", [1] * 96), "maximum context"),
+        (lambda t: t.verify("x", [1], [1] * 40), "over the maximum"),
+        (lambda t: t.verify("x", [1], sampling=sm.Sampling(temperature=-1)), "temperature"),
+    ],
+)
+def test_target_rejects_bad_input(target, call, message):
+    with pytest.raises(InvalidArgument, match=message):
+        call(target)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tokens=[], max_draft_tokens=2), "must not be empty"),
+        (dict(tokens=[1], max_draft_tokens=0), "max_draft_tokens"),
+        (dict(tokens=[1], max_draft_tokens=9), "max_draft_tokens"),
+        (dict(tokens=[1], max_draft_tokens=2, confidence_threshold=1.5), "confidence_threshold"),
+        (dict(tokens=[1], max_draft_tokens=2, confidence_threshold=-0.1), "confidence_threshold"),
+        (dict(tokens=[99], max_draft_tokens=2), "outside the vocabulary"),
+        (dict(tokens=[1] * 97, max_draft_tokens=2), "maximum context"),
+    ],
+)
+def test_draft_rejects_bad_input(other_draft, kwargs, message):
+    with pytest.raises(InvalidArgument, match=message):
+        other_draft.propose("bad", **kwargs)
+
+
+def test_kv_budget_evicts_then_refuses(tiny_models):
+    loaded = load_hf(tiny_models["gpt2-target"])
+    engine = TargetEngine(loaded, store(max_bytes=1))  # placeholder budget, replaced below
+    per_token = engine.lm.bytes_per_token
+    engine.store.max_bytes = per_token * 40
+    engine.verify("a", [1] * 30)
+    engine.verify("b", [2] * 30)  # 30 + 31 tokens > 40: a is evicted
+    assert "a" not in engine.store and "b" in engine.store
+    assert engine.store.nbytes <= engine.store.max_bytes
+    with pytest.raises(ResourceExhausted):
+        engine.verify("c", [3] * 45)  # alone over the budget
+    # still serving afterwards
+    assert engine.verify("d", [4] * 10).num_accepted == 0
+
+
+def test_release_frees_the_session(target, prompt):
+    target.verify("rel", prompt)
+    assert target.release("rel") is True
+    assert target.release("rel") is False
+    assert "rel" not in target.store
+
+
+def test_cache_bytes_are_accounted(target, prompt):
+    target.verify("bytes", prompt, [1, 2])
+    session = target.store.get_or_create("bytes", lambda: None)
+    from specdec.engine import cache_nbytes
+
+    assert session.nbytes == cache_nbytes(session.cache)
+    assert torch.is_tensor(session.cache.layers[0].keys)

@@ -1,0 +1,107 @@
+"""Verification math on hand-built distributions (no models)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec import sampling as sm
+from specdec.errors import InvalidArgument
+
+
+def one_hot_logits(ids: list[int], vocab: int = 8) -> torch.Tensor:
+    """Logits [len(ids), vocab] whose argmax at row i is ids[i]."""
+    logits = torch.zeros(len(ids), vocab)
+    for i, t in enumerate(ids):
+        logits[i, t] = 5.0
+    return logits
+
+
+def test_greedy_perfect_match_gives_bonus():
+    # target argmax after each draft token, plus the bonus position
+    assert sm.verify_greedy([3, 1, 4, 1], [3, 1, 4]) == (3, 1)
+
+
+def test_greedy_early_mismatch_gives_correction():
+    assert sm.verify_greedy([3, 5, 4, 1], [3, 1, 4]) == (1, 5)  # second token rejected, target says 5
+    assert sm.verify_greedy([7, 1, 4, 1], [3, 1, 4]) == (0, 7)  # first token rejected
+
+
+def test_greedy_empty_draft_is_a_plain_step():
+    assert sm.verify_greedy([6], []) == (0, 6)
+
+
+def test_probabilities_top_k_and_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = sm.probabilities(logits, sm.Sampling(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = sm.probabilities(logits, sm.Sampling(temperature=1.0, top_p=0.8))
+    # 0.5 + 0.3 reaches 0.8: the tail is dropped
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    p = sm.probabilities(logits, sm.Sampling(temperature=1.0, top_p=0.81))
+    assert p[2] > 0 and p[3] == 0
+    cold = sm.probabilities(logits, sm.Sampling(temperature=0.1))
+    assert cold[0] > 0.99
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=1.5), dict(top_k=-1)]
+)
+def test_sampling_validation(kwargs):
+    with pytest.raises(InvalidArgument):
+        sm.Sampling(**kwargs).validate()
+
+
+def test_rejection_accepts_when_draft_equals_target():
+    p = torch.softmax(torch.randn(4, 8), dim=-1)
+    draft = [int(p[i].argmax()) for i in range(3)]
+    n, _ = sm.verify_sampling(p, p[:3].clone(), draft, seed=1, first_position=10)
+    assert n == 3  # p/q == 1: always accepted
+
+
+def test_rejection_rejects_token_target_never_emits():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    n, nxt = sm.verify_sampling(p, q, [0], seed=0, first_position=0)
+    assert (n, nxt) == (0, 1)  # p(0) == 0: rejected, residual max(0, p - q) is all on token 1
+
+
+def test_seeded_sampling_is_deterministic():
+    p = torch.softmax(torch.randn(3, 50), dim=-1)
+    q = torch.softmax(torch.randn(2, 50), dim=-1)
+    draft = [int(torch.multinomial(q[i], 1)) for i in range(2)]
+    runs = {sm.verify_sampling(p, q, draft, seed=42, first_position=7) for _ in range(5)}
+    assert len(runs) == 1
+    draws = {tuple(sm.sample(p[0], s, 3, sm.STREAM_TARGET) for s in range(20))}
+    assert len({d for run in draws for d in run}) > 1  # different seeds differ
+
+
+def test_sparse_round_trip():
+    p = torch.tensor([0.0, 0.25, 0.0, 0.75])
+    ids, probs = sm.to_sparse(p)
+    assert ids == [1, 3]
+    assert torch.equal(sm.to_dense(ids, probs, 4), p)
+
+
+def test_speculative_sampling_matches_target_distribution():
+    """Chi-square: the first token emitted by draft-then-verify is distributed as p, not q."""
+    torch.manual_seed(0)
+    vocab = 6
+    p = torch.softmax(torch.randn(2, vocab) * 1.5, dim=-1)  # target at draft position and bonus
+    q = torch.softmax(torch.randn(1, vocab) * 1.5, dim=-1)  # a different draft distribution
+    n_draws = 6000
+    counts = torch.zeros(vocab)
+    for seed in range(n_draws):
+        x = sm.sample(q[0], seed, 0, sm.STREAM_DRAFT)
+        n, nxt = sm.verify_sampling(p, q, [x], seed=seed, first_position=0)
+        counts[x if n == 1 else nxt] += 1
+    expected = p[0] * n_draws
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    # 5 degrees of freedom: P(chi2 > 20.5) ~ 0.001
+    assert chi2 < 20.5, (counts, expected)
+    # and it is clearly not q's distribution
+    chi2_q = float(((counts - q[0] * n_draws) ** 2 / (q[0] * n_draws)).sum())
+    assert chi2_q > 100
+    assert math.isclose(float(counts.sum()), n_draws)

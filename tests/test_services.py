@@ -1,0 +1,186 @@
+"""Both model services over real gRPC on real ports (port 0): health, reflection, every bad input's
+status code, eviction under a small budget, Release."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from draft_service.backends.hf import TransformersProposer
+from draft_service.backends.ngram import NgramProposer
+from draft_service.servicer import build_server as build_draft
+from specdec.models import load_hf
+from specdec.sessions import SessionStore
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from target_service.engine import TargetEngine
+from target_service.servicer import build_server as build_target
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def target_addr(tiny_models):
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(4, 1 << 30, 0), max_draft_tokens=8)
+    server, port, _ = build_target(engine, "127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", engine
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def draft_addr(tiny_models):
+    proposer = TransformersProposer(load_hf(tiny_models["llama-draft"]), SessionStore(4, 1 << 30, 0), 8)
+    server, port, _ = build_draft(proposer, "127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", proposer
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def target(target_addr):
+    with grpc.insecure_channel(target_addr[0]) as channel:
+        yield pb_grpc.TargetServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def draft(draft_addr):
+    with grpc.insecure_channel(draft_addr[0]) as channel:
+        yield pb_grpc.DraftServiceStub(channel)
+
+
+@pytest.mark.parametrize("which", ["draft_addr", "target_addr"])
+def test_health_serving_and_reflection(request, which):
+    addr = request.getfixturevalue(which)[0]
+    with grpc.insecure_channel(addr) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        service = "specdec.v1.DraftService" if which == "draft_addr" else "specdec.v1.TargetService"
+        for name in ("", service):
+            status = health.Check(health_pb2.HealthCheckRequest(service=name)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in responses for s in r.list_services_response.service}
+        assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_propose_then_verify_round_trip(draft, target):
+    tokens = [7, 3, 12, 5, 9]
+    p = draft.Propose(pb.ProposeRequest(session_id="rt", tokens=tokens, max_draft_tokens=4))
+    assert 1 <= len(p.draft_tokens) <= 4 and len(p.confidences) == len(p.draft_tokens)
+    assert p.stop_reason != pb.DRAFT_STOP_REASON_UNSPECIFIED and p.compute_ns > 0
+    v = target.Verify(pb.VerifyRequest(session_id="rt", tokens=tokens, draft_tokens=p.draft_tokens,
+                                       return_target_probs=True))
+    assert 0 <= v.num_accepted <= len(p.draft_tokens) and v.compute_ns > 0
+    assert len(v.target_probs) == len(p.draft_tokens) and 0 < v.next_token_prob <= 1
+    # the next call extends the same session: its prefix comes from the cache
+    seq = tokens + list(p.draft_tokens[: v.num_accepted]) + [v.next_token]
+    v2 = target.Verify(pb.VerifyRequest(session_id="rt", tokens=seq))
+    assert v2.cached_tokens == len(tokens) + v.num_accepted
+
+
+def test_info_describes_both(draft, target):
+    d, t = draft.Info(pb.InfoRequest()), target.Info(pb.InfoRequest())
+    assert t.architecture == "LlamaForCausalLM" and t.backend == "transformers"
+    assert t.vocab_size == d.vocab_size == 45 and t.max_context == 96
+    assert t.tokenizer_fingerprint == d.tokenizer_fingerprint and len(t.tokenizer_fingerprint) == 64
+    assert t.dtype == "float32" and list(t.eos_token_ids) == [0] and t.max_draft_tokens == 8
+
+
+PROPOSE_BAD = [
+    (dict(session_id="s", tokens=[], max_draft_tokens=2), "must not be empty"),
+    (dict(session_id="s", tokens=[1, 45], max_draft_tokens=2), "outside the vocabulary"),
+    (dict(session_id="s", tokens=[1], max_draft_tokens=0), "max_draft_tokens"),
+    (dict(session_id="s", tokens=[1], max_draft_tokens=9), "max_draft_tokens"),
+    (dict(session_id="s", tokens=[1], max_draft_tokens=2, confidence_threshold=1.1), "confidence_threshold"),
+    (dict(session_id="s", tokens=[1], max_draft_tokens=2, confidence_threshold=-0.5), "confidence_threshold"),
+    (dict(session_id="s", tokens=[1] * 97, max_draft_tokens=2), "maximum context"),
+    (dict(session_id="", tokens=[1], max_draft_tokens=2), "session_id"),
+    (dict(session_id="s", tokens=[1], max_draft_tokens=2, sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", PROPOSE_BAD)
+def test_propose_bad_input_is_invalid_argument(draft, kwargs, message):
+    with pytest.raises(grpc.RpcError) as err:
+        draft.Propose(pb.ProposeRequest(**kwargs))
+    assert err.value.code() == INVALID and message in err.value.details()
+
+
+VERIFY_BAD = [
+    (dict(session_id="s", tokens=[]), "must not be empty"),
+    (dict(session_id="s", tokens=[1], draft_tokens=[50]), "outside the vocabulary"),
+    (dict(session_id="s", tokens=[1] * 96), "maximum context"),
+    (dict(session_id="s", tokens=[1], draft_tokens=[1] * 9), "over the maximum"),
+    (dict(session_id="s", tokens=[1], sampling=pb.SamplingParams(top_p=2)), "top_p"),
+    (dict(session_id="s", tokens=[1], draft_tokens=[2], sampling=pb.SamplingParams(temperature=1)),
+     "one draft distribution per draft token"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", VERIFY_BAD)
+def test_verify_bad_input_is_invalid_argument(target, kwargs, message):
+    with pytest.raises(grpc.RpcError) as err:
+        target.Verify(pb.VerifyRequest(**kwargs))
+    assert err.value.code() == INVALID and message in err.value.details()
+    # and the service goes on serving
+    assert target.Verify(pb.VerifyRequest(session_id="after-bad", tokens=[1, 2])).next_token < 45
+
+
+def test_sessions_do_not_leak_on_bad_input(target, target_addr):
+    engine = target_addr[1]
+    before = set(engine.store._sessions)
+    for kwargs, _ in VERIFY_BAD:
+        with pytest.raises(grpc.RpcError):
+            target.Verify(pb.VerifyRequest(**{**kwargs, "session_id": "leak-check"}))
+    assert "leak-check" not in set(engine.store._sessions) - before
+
+
+def test_eviction_and_resource_exhausted_over_the_budget(tiny_models):
+    engine = TargetEngine(load_hf(tiny_models["gpt2-target"]), SessionStore(8, 1 << 30, 0))
+    engine.store.max_bytes = engine.lm.bytes_per_token * 50
+    server, port, _ = build_target(engine, "127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TargetServiceStub(channel)
+            stub.Verify(pb.VerifyRequest(session_id="a", tokens=[1] * 30))
+            stub.Verify(pb.VerifyRequest(session_id="b", tokens=[2] * 30))
+            info = stub.Info(pb.InfoRequest())
+            assert info.sessions == 1 and info.kv_bytes <= info.kv_budget_bytes
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Verify(pb.VerifyRequest(session_id="c", tokens=[3] * 60))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # evicted session "a" is simply recomputed
+            assert stub.Verify(pb.VerifyRequest(session_id="a", tokens=[1] * 30)).cached_tokens == 0
+    finally:
+        server.stop(0)
+
+
+def test_release(draft, target):
+    target.Verify(pb.VerifyRequest(session_id="rel", tokens=[1, 2, 3]))
+    draft.Propose(pb.ProposeRequest(session_id="rel", tokens=[1, 2, 3], max_draft_tokens=2))
+    assert target.Release(pb.ReleaseRequest(session_id="rel")).released is True
+    assert draft.Release(pb.ReleaseRequest(session_id="rel")).released is True
+    assert target.Release(pb.ReleaseRequest(session_id="rel")).released is False
+    with pytest.raises(grpc.RpcError) as err:
+        target.Release(pb.ReleaseRequest(session_id=""))
+    assert err.value.code() == INVALID
+
+
+def test_ngram_service_proposes_from_context():
+    proposer = NgramProposer(SessionStore(4, 1 << 20, 0), 8, max_ngram=3, min_ngram=1, vocab_size=100, max_context=1000)
+    server, port, _ = build_draft(proposer, "127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.DraftServiceStub(channel)
+            r = stub.Propose(pb.ProposeRequest(session_id="n", tokens=[5, 6, 7, 8, 1, 5, 6], max_draft_tokens=3))
+            assert list(r.draft_tokens) == [7, 8, 1] and r.stop_reason == pb.DRAFT_STOP_REASON_MAX_TOKENS
+            r = stub.Propose(pb.ProposeRequest(session_id="n", tokens=[1, 2, 3], max_draft_tokens=3))
+            assert list(r.draft_tokens) == [] and r.stop_reason == pb.DRAFT_STOP_REASON_NO_CANDIDATE
+            assert stub.Info(pb.InfoRequest()).tokenizer_fingerprint == ""
+    finally:
+        server.stop(0)
