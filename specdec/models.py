@@ -60,14 +60,20 @@ def resolve_gguf(model: str) -> Path:
     raise NotFound(f"GGUF model file not found: {model!r} (give a path to a .gguf file or 'embedded')")
 
 
+def _embedded_cache_path(cache_dir: Path) -> Path:
+    """Where the converted embedded checkpoint lives (keyed by the GGUF file it came from)."""
+    gguf = embedded_gguf_path()
+    stamp = hashlib.sha256(f"{gguf.stat().st_size}:{gguf.name}".encode()).hexdigest()[:12]
+    return cache_dir / "models" / f"{EMBEDDED_NAME}-{stamp}"
+
+
 def _embedded_hf_dir(cache_dir: Path) -> Path:
     """Convert the embedded GGUF to a safetensors checkpoint once; return its folder."""
     from filelock import FileLock
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = embedded_gguf_path()
-    stamp = hashlib.sha256(f"{gguf.stat().st_size}:{gguf.name}".encode()).hexdigest()[:12]
-    target = cache_dir / "models" / f"{EMBEDDED_NAME}-{stamp}"
+    target = _embedded_cache_path(cache_dir)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -102,6 +108,22 @@ def resolve_hf(model: str, cache_dir: Path | None = None) -> str:
             raise NotFound(f"{model!r} exists but holds no config.json; it is not a transformers checkpoint")
         return str(path)
     return model
+
+
+def load_tokenizer(model: str, cache_dir: Path | None = None) -> Any:
+    """The tokenizer of ``model`` (id, path or 'embedded') without loading its weights."""
+    from transformers import AutoTokenizer
+
+    if model == EMBEDDED:
+        converted = _embedded_cache_path(cache_dir or default_cache_dir())
+        if (converted / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(converted)
+        gguf = embedded_gguf_path()
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        return AutoTokenizer.from_pretrained(resolve_hf(model, cache_dir), trust_remote_code=False)
+    except OSError as exc:
+        raise NotFound(f"cannot load the tokenizer of {model!r}: {exc}") from exc
 
 
 @dataclass

@@ -82,3 +82,121 @@ def greedy_reference(model, tokens: list[int], n: int) -> list[int]:
             logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
             seq.append(int(logits.argmax()))
     return seq[len(tokens):]
+
+
+# ---- real processes on real ports --------------------------------------------------------------
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Proc:
+    """A service started as ``python -m <module>`` with its log in a file."""
+
+    def __init__(self, name: str, module: str, env: dict[str, str], log_dir: Path, args: list[str] = ()) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", module, *args], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+        )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+            self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def wait_grpc(port: int, proc: Proc, timeout_s: float = 180) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.3)
+    raise TimeoutError(f"{proc.name} not serving on {port}:\n{proc.tail()}")
+
+
+def wait_http(url: str, proc: Proc, timeout_s: float = 120, status: int = 200) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == status:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer {status}:\n{proc.tail()}")
+
+
+def start_model_service(kind: str, log_dir: Path, env: dict[str, str] | None = None) -> tuple[Proc, int]:
+    """Start ``draft_service`` or ``target_service`` on a free port (metrics off)."""
+    port = free_port()
+    prefix = "SPECDEC_DRAFT_" if kind == "draft" else "SPECDEC_TARGET_"
+    proc = Proc(kind, f"{kind}_service", {prefix + "PORT": str(port), prefix + "HOST": "127.0.0.1",
+                                          prefix + "METRICS_PORT": str(free_port()), **(env or {})}, log_dir)
+    wait_grpc(port, proc)
+    return proc, port
+
+
+def start_orchestrator(draft_port: int, target_port: int, log_dir: Path, env: dict[str, str] | None = None,
+                       wait_ready: bool = True) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc("orchestrator", "orchestrator", {
+        "SPECDEC_ORCHESTRATOR_PORT": str(port), "SPECDEC_ORCHESTRATOR_HOST": "127.0.0.1",
+        "SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS": f"127.0.0.1:{draft_port}",
+        "SPECDEC_ORCHESTRATOR_TARGET_ADDRESS": f"127.0.0.1:{target_port}",
+        "SPECDEC_ORCHESTRATOR_DRAFT_RETRY_S": "1", **(env or {}),
+    }, log_dir)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + ("/ready" if wait_ready else "/health"), proc)
+    return proc, url
+
+
+@pytest.fixture(scope="session")
+def embedded_stack(tmp_path_factory):
+    """draft (llama.cpp) + target + orchestrator on the embedded default, as real processes."""
+    log_dir = tmp_path_factory.mktemp("stack-logs")
+    procs: list[Proc] = []
+    try:
+        draft, draft_port = start_model_service("draft", log_dir)
+        procs.append(draft)
+        target, target_port = start_model_service("target", log_dir)
+        procs.append(target)
+        orch, url = start_orchestrator(draft_port, target_port, log_dir)
+        procs.append(orch)
+        yield {"url": url, "draft": draft, "target": target, "orchestrator": orch,
+               "draft_port": draft_port, "target_port": target_port, "log_dir": log_dir}
+    finally:
+        for p in reversed(procs):
+            p.stop()

@@ -1,0 +1,1 @@
+"""The orchestrator: the adaptive speculative loop behind REST, SSE and an OpenAI-compatible API."""

@@ -1,0 +1,393 @@
+"""FastAPI application: REST, SSE streaming, OpenAI-compatible routes, health and metrics.
+
+Routes only translate HTTP <-> the loop (orchestrator.loop); errors are HTTPException(status,
+detail) with a reason a client can act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette.sse import EventSourceResponse
+
+from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.controller import CostModel, make_controller
+from orchestrator.loop import (
+    BadRequest,
+    DraftHealth,
+    GenerationParams,
+    GenerationStats,
+    ModelLimits,
+    StepEvent,
+    TargetUnavailable,
+    generate,
+)
+from orchestrator.schemas import GenerateRequest, GenerateResponse, SpeculationParams, Step
+from orchestrator.settings import OrchestratorSettings
+from specdec import sampling as sm
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """Process-wide state of the orchestrator."""
+
+    settings: OrchestratorSettings
+    draft: DraftClient
+    target: TargetClient
+    draft_health: DraftHealth
+    costs: CostModel = field(default_factory=CostModel)
+    tokenizer: Any = None
+    limits: ModelLimits | None = None
+    target_info: dict[str, Any] = field(default_factory=dict)
+    draft_info: dict[str, Any] = field(default_factory=dict)
+    not_ready: str = "connecting to the model services"
+    active: int = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model_name or self.target_info.get("model_id", "specdec")
+
+
+def _info_dict(info: Any) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+async def connect(rt: Runtime) -> None:
+    """Read both services' Info, load the tokenizer, check they are compatible; set readiness."""
+    try:
+        target = await rt.target.info()
+    except grpc.aio.AioRpcError as exc:
+        rt.not_ready = f"target service at {rt.settings.target_address} unreachable: {exc.code().name}"
+        return
+    rt.target_info = _info_dict(target)
+    try:
+        draft = await rt.draft.info()
+        rt.draft_info = _info_dict(draft)
+    except grpc.aio.AioRpcError as exc:
+        rt.not_ready = f"draft service at {rt.settings.draft_address} unreachable: {exc.code().name}"
+        draft = None
+    if draft is not None and draft.tokenizer_fingerprint and draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        rt.not_ready = (
+            f"draft and target tokenizers differ (draft {draft.model_id}: {draft.tokenizer_fingerprint[:12]}, "
+            f"target {target.model_id}: {target.tokenizer_fingerprint[:12]}); pair models that share a tokenizer"
+        )
+        return
+    if rt.tokenizer is None:
+        from specdec.models import load_tokenizer, tokenizer_fingerprint
+
+        spec = rt.settings.tokenizer or target.model_id
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, spec)
+        except Exception as exc:
+            rt.not_ready = f"cannot load tokenizer {spec!r}: {exc}"
+            return
+        fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer)
+        if fingerprint != target.tokenizer_fingerprint:
+            rt.not_ready = f"tokenizer {spec!r} does not match the target's ({target.model_id})"
+            return
+        rt.tokenizer = tokenizer
+    rt.limits = ModelLimits(
+        target_max_context=target.max_context,
+        target_max_draft=target.max_draft_tokens,
+        draft_max_context=draft.max_context if draft is not None else 0,
+        draft_max_draft=draft.max_draft_tokens if draft is not None else 0,
+        eos_token_ids=set(target.eos_token_ids),
+    )
+    rt.not_ready = "" if draft is not None else rt.not_ready
+
+
+async def _keep_connected(rt: Runtime) -> None:
+    while True:
+        await connect(rt)
+        await asyncio.sleep(2.0 if rt.not_ready else 15.0)
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for request bodies over ``max_bytes`` (declared or streamed)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(send)
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Any) -> None:
+        body = json.dumps({"detail": f"request body over {self.max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
+    settings = settings or OrchestratorSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        rt = Runtime(
+            settings=settings,
+            draft=DraftClient(settings.draft_address, settings.draft_timeout_s),
+            target=TargetClient(settings.target_address, settings.target_timeout_s),
+            draft_health=DraftHealth(settings.draft_retry_s),
+        )
+        app.state.rt = rt
+        await connect(rt)
+        task = asyncio.create_task(_keep_connected(rt))
+        logger.info("orchestrator: draft %s, target %s, %s", settings.draft_address, settings.target_address,
+                    "ready" if not rt.not_ready else f"not ready: {rt.not_ready}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await rt.draft.close()
+            await rt.target.close()
+
+    app = FastAPI(
+        title="specdec orchestrator",
+        description="Speculative decoding: a draft model proposes, the target verifies; output equals the target's.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+
+    from orchestrator.openai_api import router as openai_router
+
+    app.include_router(openai_router)
+
+    @app.get("/health", tags=["ops"])
+    async def health() -> dict[str, str]:
+        """The process is alive."""
+        return {"status": "ok"}
+
+    @app.get("/ready", tags=["ops"])
+    async def ready(request: Request) -> JSONResponse:
+        """Both model services reachable and compatible (re-checked on every call)."""
+        rt: Runtime = request.app.state.rt
+        await connect(rt)
+        body = {"ready": not rt.not_ready, "reason": rt.not_ready, "draft": rt.draft_info, "target": rt.target_info}
+        return JSONResponse(body, status_code=200 if not rt.not_ready else 503)
+
+    @app.get("/metrics", tags=["ops"])
+    async def metrics() -> Response:
+        """Prometheus metrics."""
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/info", tags=["ops"])
+    async def info(request: Request) -> dict[str, Any]:
+        """Models, readiness and request defaults (what the dashboard shows)."""
+        rt: Runtime = request.app.state.rt
+        return {
+            "ready": not rt.not_ready,
+            "reason": rt.not_ready,
+            "draft": rt.draft_info,
+            "target": rt.target_info,
+            "draft_available": rt.draft_health.usable(),
+            "defaults": {
+                "controller": settings.default_controller, "k": settings.default_k, "max_k": settings.default_max_k,
+                "confidence_threshold": settings.default_confidence_threshold,
+                "max_tokens": settings.default_max_tokens, "max_tokens_limit": settings.max_tokens_limit,
+            },
+            "has_chat_template": bool(getattr(rt.tokenizer, "chat_template", None)),
+        }
+
+    @app.post("/v1/generate", response_model=GenerateResponse, tags=["generate"])
+    async def generate_route(body: GenerateRequest, request: Request) -> GenerateResponse:
+        """Generate a continuation of `prompt`; the response lists every speculative step."""
+        rt: Runtime = request.app.state.rt
+        run = prepare(rt, body, encode_prompt(rt, body.prompt), body.max_tokens, body.stop, body.ignore_eos,
+                      sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed)))
+        steps, result = await collect(run, request)
+        return GenerateResponse(
+            text=result["text"], token_ids=result["token_ids"], prompt_tokens=run.prompt_tokens,
+            finish_reason=result["finish_reason"], mode=body.mode, controller=run.controller_name,
+            steps=[to_step(s) for s in steps] if body.include_steps else [], stats=result["stats"],
+        )
+
+    @app.post("/v1/generate/stream", tags=["generate"])
+    async def generate_stream(body: GenerateRequest, request: Request) -> EventSourceResponse:
+        """The same as /v1/generate as server-sent events: a `step` event per iteration (accepted and
+        rejected draft tokens, correction or bonus, text delta, timings), then one `done` event."""
+        rt: Runtime = request.app.state.rt
+        run = prepare(rt, body, encode_prompt(rt, body.prompt), body.max_tokens, body.stop, body.ignore_eos,
+                      sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed)))
+        events = await start_stream(run, request)
+
+        async def sse() -> AsyncIterator[dict[str, str]]:
+            async for kind, payload in events:
+                if kind == "step":
+                    payload = {**payload, "token_texts": [rt.tokenizer.decode([t]) for t in payload["draft"]],
+                               "next_token_text": rt.tokenizer.decode([payload["next_token"]])}
+                yield {"event": kind, "data": json.dumps(payload)}
+
+        return EventSourceResponse(sse(), ping=15)
+
+    return app
+
+
+# ---- shared by the REST and OpenAI routes ------------------------------------------------------
+
+@dataclass
+class Run:
+    """A validated generation, ready to start."""
+
+    rt: Runtime
+    params: GenerationParams
+    controller_name: str
+    k: int
+    max_k: int
+    prompt_tokens: int
+
+
+def _seed(seed: int | None) -> int:
+    # an unseeded sampling request still needs a seed for the keyed random streams
+    return seed if seed is not None else time.time_ns() & 0x7FFFFFFFFFFFFFFF
+
+
+def require_ready(rt: Runtime) -> None:
+    if rt.tokenizer is None or rt.limits is None:
+        raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
+    if rt.not_ready.startswith("draft and target tokenizers differ"):
+        raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
+
+
+def encode_prompt(rt: Runtime, prompt: str) -> list[int]:
+    require_ready(rt)
+    return rt.tokenizer(prompt).input_ids
+
+
+def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tokens: int | None,
+            stop: list[str] | str | None, ignore_eos: bool, sampling: sm.Sampling) -> Run:
+    require_ready(rt)
+    s = rt.settings
+    limits = rt.limits
+    if not prompt_ids:
+        raise HTTPException(400, detail="prompt: encodes to no tokens")
+    if len(prompt_ids) >= limits.target_max_context:
+        raise HTTPException(
+            400, detail=f"prompt: {len(prompt_ids)} tokens, over the model's context of {limits.target_max_context - 1}"
+        )
+    max_tokens = max_tokens if max_tokens is not None else s.default_max_tokens
+    if max_tokens > s.max_tokens_limit:
+        raise HTTPException(422, detail=f"max_tokens: {max_tokens} is over the limit of {s.max_tokens_limit}")
+    if rt.active >= s.max_concurrent_requests:
+        raise HTTPException(429, detail=f"too many concurrent requests (limit {s.max_concurrent_requests})")
+    name = spec.controller or s.default_controller
+    k = spec.k if spec.k is not None else s.default_k
+    max_k = spec.max_k if spec.max_k is not None else max(s.default_max_k, k)
+    if k > max_k:
+        raise HTTPException(422, detail=f"k: {k} is over max_k {max_k}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    params = GenerationParams(
+        prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, stop=stops, mode=spec.mode,
+        confidence_threshold=(spec.confidence_threshold if spec.confidence_threshold is not None
+                              else s.default_confidence_threshold),
+        ignore_eos=ignore_eos,
+    )
+    return Run(rt, params, name, k, max_k, len(prompt_ids))
+
+
+async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """("step", StepEvent dict) per iteration, then ("done", result); errors as HTTPException."""
+    rt = run.rt
+    controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs)
+    disconnected = request.is_disconnected if request is not None else None
+    token_ids: list[int] = []
+    rt.active += 1
+    try:
+        async for item in generate(run.params, rt.draft, rt.target, controller, rt.limits, rt.draft_health,
+                                   lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True), disconnected):
+            if isinstance(item, StepEvent):
+                token_ids.extend(item.tokens)
+                yield "step", item.to_dict()
+            else:
+                finish, text, stats = item
+                yield "done", result_dict(finish, text, token_ids, stats, run)
+    except TargetUnavailable as exc:
+        raise HTTPException(503, detail=str(exc)) from exc
+    except BadRequest as exc:
+        raise HTTPException(400, detail=str(exc)) from exc
+    finally:
+        rt.active -= 1
+
+
+def result_dict(finish: str, text: str, token_ids: list[int], stats: GenerationStats, run: Run) -> dict[str, Any]:
+    return {"text": text, "token_ids": token_ids, "finish_reason": finish, "prompt_tokens": run.prompt_tokens,
+            "mode": run.params.mode, "controller": run.controller_name, "stats": stats.to_dict()}
+
+
+async def collect(run: Run, request: Request | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    steps, result = [], {}
+    async for kind, payload in events(run, request):
+        if kind == "step":
+            steps.append(payload)
+        else:
+            result = payload
+    return steps, result
+
+
+async def start_stream(run: Run, request: Request) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """Run the first step before the response starts, so a target that is down still gets a
+    proper 503 instead of an event stream; later failures become an `error` event."""
+    gen = events(run, request)
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:  # pragma: no cover - a generation always yields at least "done"
+        first = None
+
+    async def rest() -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        try:
+            if first is not None:
+                yield first
+            async for item in gen:
+                yield item
+        except HTTPException as exc:
+            yield "error", {"status": exc.status_code, "detail": exc.detail}
+        finally:
+            await gen.aclose()
+
+    return rest()
+
+
+def to_step(s: dict[str, Any]) -> Step:
+    correction = s["next_token"] if s["next_kind"] == "correction" else None
+    bonus = s["next_token"] if s["next_kind"] != "correction" else None
+    return Step(draft=s["draft"], accepted=s["accepted"], correction=correction, bonus=bonus, k=s["k"],
+                draft_ms=round(s["draft_ms"], 3), verify_ms=round(s["verify_ms"], 3))

@@ -1,0 +1,129 @@
+"""Async gRPC clients of the two model services, with deadlines and per-RPC latency metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import Histogram
+
+from specdec import sampling as sm
+from specdec.convert import sampling_to_pb
+from specdec.server import MAX_MESSAGE_BYTES
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+RPC_CLIENT_LATENCY = Histogram(
+    "specdec_rpc_client_duration_seconds",
+    "Round-trip duration of model-service RPCs seen by the orchestrator.",
+    ["service", "method"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
+)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    # reconnect quickly once a restarted service is back
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+@dataclass
+class Proposed:
+    tokens: list[int]
+    confidences: list[float]
+    stop_reason: str
+    distributions: list[tuple[list[int], list[float]]]
+    compute_ms: float
+    wall_ms: float
+
+
+@dataclass
+class Verified:
+    num_accepted: int
+    next_token: int
+    target_probs: list[float]
+    next_token_prob: float
+    cached_tokens: int
+    compute_ms: float
+    wall_ms: float
+
+
+class _Client:
+    service = ""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+    async def info(self, timeout_s: float = 2.0) -> pb.InfoResponse:
+        return await self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
+
+    async def release(self, session_id: str) -> bool:
+        response = await self.stub.Release(pb.ReleaseRequest(session_id=session_id), timeout=2.0)
+        return response.released
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class DraftClient(_Client):
+    service = "draft"
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        super().__init__(address, timeout_s)
+        self.stub = pb_grpc.DraftServiceStub(self.channel)
+
+    async def propose(self, session_id: str, tokens: Sequence[int], k: int, threshold: float,
+                      sampling: sm.Sampling) -> Proposed:
+        request = pb.ProposeRequest(
+            session_id=session_id, tokens=tokens, max_draft_tokens=k, confidence_threshold=threshold,
+            sampling=sampling_to_pb(sampling), return_distributions=not sampling.greedy,
+        )
+        t0 = time.perf_counter()
+        r = await self.stub.Propose(request, timeout=self.timeout_s)
+        wall = time.perf_counter() - t0
+        RPC_CLIENT_LATENCY.labels(self.service, "Propose").observe(wall)
+        return Proposed(
+            tokens=list(r.draft_tokens),
+            confidences=list(r.confidences),
+            stop_reason=pb.DraftStopReason.Name(r.stop_reason).removeprefix("DRAFT_STOP_REASON_").lower(),
+            distributions=[(list(d.token_ids), list(d.probs)) for d in r.distributions],
+            compute_ms=r.compute_ns / 1e6,
+            wall_ms=wall * 1e3,
+        )
+
+
+class TargetClient(_Client):
+    service = "target"
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        super().__init__(address, timeout_s)
+        self.stub = pb_grpc.TargetServiceStub(self.channel)
+
+    async def verify(self, session_id: str, tokens: Sequence[int], draft: Sequence[int], sampling: sm.Sampling,
+                     distributions: Sequence[tuple[list[int], list[float]]] = (),
+                     return_target_probs: bool = True) -> Verified:
+        request = pb.VerifyRequest(
+            session_id=session_id, tokens=tokens, draft_tokens=draft, sampling=sampling_to_pb(sampling),
+            draft_distributions=[pb.SparseDistribution(token_ids=i, probs=p) for i, p in distributions],
+            return_target_probs=return_target_probs,
+        )
+        t0 = time.perf_counter()
+        r = await self.stub.Verify(request, timeout=self.timeout_s)
+        wall = time.perf_counter() - t0
+        RPC_CLIENT_LATENCY.labels(self.service, "Verify").observe(wall)
+        return Verified(
+            num_accepted=r.num_accepted,
+            next_token=r.next_token,
+            target_probs=list(r.target_probs),
+            next_token_prob=r.next_token_prob,
+            cached_tokens=r.cached_tokens,
+            compute_ms=r.compute_ns / 1e6,
+            wall_ms=wall * 1e3,
+        )

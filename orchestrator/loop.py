@@ -1,0 +1,334 @@
+"""The speculative loop: draft -> verify -> accept -> adapt k, one step event at a time.
+
+Greedy output equals plain greedy decoding of the target token for token: the target decides
+every token (accepted draft tokens are exactly its argmax), the draft only decides how many land
+per target pass. Sampling uses the lossless rejection scheme (see specdec.sampling), run inside
+the target service so only sparse draft distributions cross the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.controller import Controller, StepObservation
+from specdec import sampling as sm
+
+logger = logging.getLogger(__name__)
+
+DRAFTS = Counter("specdec_drafts_total", "Steps that verified a non-empty draft.")
+DRAFT_TOKENS = Counter("specdec_draft_tokens_total", "Draft tokens proposed and verified.")
+ACCEPTED_TOKENS = Counter("specdec_accepted_tokens_total", "Draft tokens the target accepted.")
+ACCEPTED_PER_POSITION = Counter(
+    "specdec_accepted_per_position_total", "Accepted draft tokens by position in the draft (0-based).", ["position"]
+)
+GENERATED_TOKENS = Counter("specdec_generated_tokens_total", "Tokens generated (accepted + target tokens).", ["mode"])
+STEPS = Counter("specdec_steps_total", "Loop iterations (one target forward pass each).", ["mode"])
+K_CHOSEN = Histogram("specdec_k", "Draft length chosen per step.", buckets=tuple(range(0, 17)))
+TOKENS_PER_SECOND = Histogram(
+    "specdec_request_tokens_per_second", "Generation speed per request.", ["mode"],
+    buckets=(1, 2, 5, 10, 15, 20, 30, 40, 60, 80, 120, 160, 240, 320),
+)
+DRAFT_FALLBACKS = Counter("specdec_draft_fallbacks_total", "Steps run without a draft because the draft failed.", ["reason"])
+ACTIVE = Gauge("specdec_active_requests", "Generations in progress.")
+
+Mode = Literal["speculative", "autoregressive"]
+
+
+class TargetUnavailable(Exception):
+    """The target service cannot serve: the request fails with 503 and this reason."""
+
+
+class BadRequest(Exception):
+    """The target rejected the request's input (INVALID_ARGUMENT): HTTP 400 with this reason."""
+
+
+@dataclass
+class GenerationParams:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: sm.Sampling = field(default_factory=sm.Sampling)
+    stop: list[str] = field(default_factory=list)
+    mode: Mode = "speculative"
+    confidence_threshold: float = 0.0
+    ignore_eos: bool = False
+
+
+@dataclass
+class StepEvent:
+    """One loop iteration, as streamed to clients."""
+
+    index: int
+    k: int  # draft length asked for
+    draft: list[int]  # [n] proposed draft tokens
+    draft_confidences: list[float]  # [n] draft probability of each
+    target_probs: list[float]  # [n] target probability of each draft token
+    accepted: int  # leading draft tokens accepted
+    next_token: int  # the target's own token: correction or bonus (or the plain step's token)
+    next_kind: Literal["bonus", "correction", "plain"]
+    next_token_prob: float
+    tokens: list[int]  # tokens appended this step (after EOS / max_tokens / context trimming)
+    text: str  # text delta this step
+    draft_ms: float
+    verify_ms: float
+    draft_compute_ms: float
+    verify_compute_ms: float
+    overhead_ms: float  # step wall time not spent in either RPC (orchestrator bookkeeping)
+    draft_stop_reason: str = ""
+    draft_error: str = ""  # set when the draft failed and this step ran without one
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GenerationStats:
+    tokens: int = 0
+    iterations: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    overhead_ms: float = 0.0
+    elapsed_ms: float = 0.0
+    first_token_ms: float = 0.0
+    draft_fallbacks: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        it = max(self.iterations, 1)
+        seconds = self.elapsed_ms / 1e3
+        return {
+            "tokens": self.tokens,
+            "iterations": self.iterations,
+            "draft_tokens": self.proposed,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "mean_accepted_per_iteration": self.accepted / it,
+            "mean_tokens_per_iteration": self.tokens / it,
+            "tokens_per_second": self.tokens / seconds if seconds > 0 else 0.0,
+            "elapsed_ms": self.elapsed_ms,
+            "first_token_ms": self.first_token_ms,
+            "draft_ms": self.draft_ms,
+            "verify_ms": self.verify_ms,
+            "overhead_ms": self.overhead_ms,
+            "draft_ms_per_iteration": self.draft_ms / it,
+            "verify_ms_per_iteration": self.verify_ms / it,
+            "overhead_ms_per_iteration": self.overhead_ms / it,
+            "draft_fallbacks": self.draft_fallbacks,
+        }
+
+
+@dataclass
+class DraftHealth:
+    """Process-wide: after a draft failure, decode without drafts for ``retry_s``, then retry."""
+
+    retry_s: float
+    down_until: float = 0.0
+    last_error: str = ""
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def failed(self, reason: str) -> None:
+        self.down_until = time.monotonic() + self.retry_s
+        if reason != self.last_error:
+            logger.warning("draft service failed (%s); decoding without drafts for %.0f s", reason, self.retry_s)
+        self.last_error = reason
+
+    def succeeded(self) -> None:
+        if self.last_error:
+            logger.info("draft service is back")
+        self.last_error = ""
+
+
+@dataclass
+class ModelLimits:
+    """What the loop needs to know of the services (from their Info)."""
+
+    target_max_context: int
+    target_max_draft: int
+    draft_max_context: int
+    draft_max_draft: int
+    eos_token_ids: set[int]
+
+
+class Detokenizer:
+    """Incremental text from growing token ids, holding back incomplete characters and any tail
+    that could still become a stop string."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+        self.decode = decode
+        self.stop = [s for s in stop if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0  # characters of text already emitted
+        self.stopped = False
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids.extend(ids)
+        text = self.decode(self.ids)
+        for s in self.stop:
+            pos = text.find(s, max(0, self.sent - len(s)))
+            if pos >= 0:
+                text, final, self.stopped = text[:pos], True, True
+        if not final:
+            # an incomplete multi-byte character decodes as U+FFFD: wait for the rest
+            text = text.rstrip("\ufffd")
+            text = text[: max(self.sent, len(text) - self.holdback)]
+        delta = text[self.sent :]
+        self.sent = max(self.sent, len(text))
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self.decode(self.ids)
+
+
+async def generate(
+    params: GenerationParams,
+    draft: DraftClient,
+    target: TargetClient,
+    controller: Controller,
+    limits: ModelLimits,
+    draft_health: DraftHealth,
+    decode: Callable[[list[int]], str],
+    is_disconnected: Callable[[], Any] | None = None,
+) -> AsyncIterator[StepEvent | tuple[str, str, GenerationStats]]:
+    """Run the loop; yield a StepEvent per iteration, then (finish_reason, text, stats).
+
+    finish_reason: "stop" (EOS or stop string), "length" (max_tokens or context), "cancelled".
+    Raises TargetUnavailable or BadRequest when the target fails.
+    """
+    session_id = uuid.uuid4().hex
+    seq = list(params.prompt_ids)
+    start = len(seq)
+    stats = GenerationStats()
+    detok = Detokenizer(decode, params.stop)
+    speculative = params.mode == "speculative"
+    draft_ok_for_request = speculative  # cleared when the draft rejects this request's input
+    used_draft = False
+    finish = "length"
+    t_start = time.perf_counter()
+    ACTIVE.inc()
+    try:
+        while True:
+            t_step = time.perf_counter()
+            if is_disconnected is not None and await is_disconnected():
+                finish = "cancelled"
+                break
+            generated = len(seq) - start
+            remaining = min(params.max_tokens - generated, limits.target_max_context - len(seq))
+            if remaining <= 0:
+                finish = "length"
+                break
+            # 1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left.
+            k = 0
+            if draft_ok_for_request and draft_health.usable() and len(seq) < limits.draft_max_context - 1:
+                k = min(controller.next_k(), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
+            K_CHOSEN.observe(max(k, 0))
+            # 2. Fetch the draft (a failure only costs this step its draft).
+            proposal, draft_error = None, ""
+            if k > 0:
+                try:
+                    proposal = await draft.propose(session_id, seq, k, params.confidence_threshold, params.sampling)
+                    used_draft = True
+                    draft_health.succeeded()
+                except grpc.aio.AioRpcError as exc:
+                    draft_error = f"{exc.code().name}: {exc.details()}"
+                    DRAFT_FALLBACKS.labels(exc.code().name.lower()).inc()
+                    stats.draft_fallbacks += 1
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        draft_ok_for_request = False  # this input will not suit the draft; the service is fine
+                    else:
+                        draft_health.failed(draft_error)
+            tokens = proposal.tokens if proposal else []
+            # 3. Verify in one target pass.
+            try:
+                v = await target.verify(session_id, seq, tokens, params.sampling,
+                                        proposal.distributions if proposal else ())
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise BadRequest(exc.details()) from exc
+                raise TargetUnavailable(f"target service: {exc.code().name}: {exc.details()}") from exc
+            # 4. Accept: the accepted draft prefix, then the target's own token.
+            new = tokens[: v.num_accepted] + [v.next_token]
+            kind = "plain" if not tokens else ("bonus" if v.num_accepted == len(tokens) else "correction")
+            if not params.ignore_eos:
+                eos_at = next((i for i, t in enumerate(new) if t in limits.eos_token_ids), None)
+                if eos_at is not None:
+                    new = new[: eos_at + 1]
+                    finish = "stop"
+            new = new[:remaining]
+            seq.extend(new)
+            done = finish == "stop" or len(seq) - start >= params.max_tokens or len(seq) >= limits.target_max_context
+            delta = detok.push(new, final=done)
+            if detok.stopped:
+                finish, done = "stop", True
+            # 5. Adapt k and account.
+            draft_ms = proposal.wall_ms if proposal else 0.0
+            step_ms = (time.perf_counter() - t_step) * 1e3
+            controller.observe(StepObservation(
+                k=k, proposed=len(tokens), accepted=v.num_accepted, draft_ms=draft_ms, verify_ms=v.wall_ms,
+                draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=stats.iterations > 0,
+            ))
+            stats.iterations += 1
+            stats.tokens += len(new)
+            stats.proposed += len(tokens)
+            stats.accepted += v.num_accepted
+            stats.draft_ms += draft_ms
+            stats.verify_ms += v.wall_ms
+            stats.overhead_ms += max(step_ms - draft_ms - v.wall_ms, 0.0)
+            if stats.iterations == 1:
+                stats.first_token_ms = (time.perf_counter() - t_start) * 1e3
+            mode = params.mode
+            STEPS.labels(mode).inc()
+            GENERATED_TOKENS.labels(mode).inc(len(new))
+            if tokens:
+                DRAFTS.inc()
+                DRAFT_TOKENS.inc(len(tokens))
+                ACCEPTED_TOKENS.inc(v.num_accepted)
+                for pos in range(v.num_accepted):
+                    ACCEPTED_PER_POSITION.labels(str(pos)).inc()
+            yield StepEvent(
+                index=stats.iterations - 1, k=k, draft=tokens,
+                draft_confidences=proposal.confidences if proposal else [],
+                target_probs=v.target_probs, accepted=v.num_accepted, next_token=v.next_token, next_kind=kind,
+                next_token_prob=v.next_token_prob, tokens=new, text=delta, draft_ms=draft_ms, verify_ms=v.wall_ms,
+                draft_compute_ms=proposal.compute_ms if proposal else 0.0, verify_compute_ms=v.compute_ms,
+                overhead_ms=max(step_ms - draft_ms - v.wall_ms, 0.0),
+                draft_stop_reason=proposal.stop_reason if proposal else "", draft_error=draft_error,
+            )
+            if done:
+                break
+        stats.elapsed_ms = (time.perf_counter() - t_start) * 1e3
+        if stats.elapsed_ms > 0:
+            TOKENS_PER_SECOND.labels(params.mode).observe(stats.tokens / (stats.elapsed_ms / 1e3))
+        text = _cut_at_stop(detok.text, params.stop) if detok.stopped else detok.text
+        yield finish, text, stats
+    finally:
+        ACTIVE.dec()
+        # Free both caches now, even when cancelled; never let cleanup fail the request.
+        clients = [target] + ([draft] if used_draft else [])
+        asyncio.get_running_loop().create_task(_release(clients, session_id))
+
+
+def _cut_at_stop(text: str, stop: list[str]) -> str:
+    positions = [p for p in (text.find(s) for s in stop if s) if p >= 0]
+    return text[: min(positions)] if positions else text
+
+
+async def _release(clients: list, session_id: str) -> None:
+    for client in clients:
+        try:
+            await client.release(session_id)
+        except Exception as exc:  # the session will expire by TTL anyway
+            logger.debug("release of %s on %s failed: %s", session_id, client.service, exc)

@@ -1,0 +1,125 @@
+"""Request and response bodies of the HTTP API (pydantic; validation errors name the field)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from orchestrator.settings import ControllerName
+
+
+class SpeculationParams(BaseModel):
+    """Knobs of the speculative loop (all optional; defaults come from the server settings)."""
+
+    mode: Literal["speculative", "autoregressive"] = Field(
+        "speculative", description="'autoregressive' decodes with the target alone: the baseline."
+    )
+    controller: ControllerName | None = Field(None, description="How k adapts: fixed, acceptance, hf or cost.")
+    k: int | None = Field(None, ge=0, le=64, description="Initial draft length (constant for 'fixed').")
+    max_k: int | None = Field(None, ge=1, le=64, description="Largest draft length an adaptive controller may pick.")
+    confidence_threshold: float | None = Field(
+        None, ge=0, le=1, description="Draft stops after a token whose draft probability is below this."
+    )
+
+
+class SamplingFields(BaseModel):
+    temperature: float = Field(0.0, ge=0, le=10, description="0 is greedy decoding.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Makes sampling reproducible.")
+
+
+class GenerateRequest(SpeculationParams, SamplingFields):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(..., min_length=1, description="Text to continue (no chat template applied).")
+    max_tokens: int | None = Field(None, ge=1, description="New tokens to generate at most.")
+    stop: list[str] | str | None = Field(None, description="Stop when any of these strings is generated.")
+    ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens.")
+    include_steps: bool = Field(True, description="Include per-step details in the response.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: list[str] | str | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 8 or any(not s or len(s) > 64 for s in stops):
+            raise ValueError("stop takes at most 8 non-empty strings of at most 64 characters")
+        return stops
+
+
+class Step(BaseModel):
+    draft: list[int]
+    accepted: int
+    correction: int | None = Field(None, description="Target token replacing the first rejected draft token.")
+    bonus: int | None = Field(None, description="Target token after a fully accepted draft (or a plain step).")
+    k: int
+    draft_ms: float
+    verify_ms: float
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: Literal["stop", "length", "cancelled"]
+    mode: str
+    controller: str
+    steps: list[Step]
+    stats: dict[str, Any]
+
+
+# ---- OpenAI-compatible bodies (the fields the official client sends) --------------------------
+
+class CompletionRequest(SpeculationParams):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (logprobs, user …) are ignored
+
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: list[str] | str | None = None
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[str]) -> str:
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("exactly one prompt is supported")
+            v = v[0]
+        if not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(SpeculationParams):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: list[str] | str | None = None
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")

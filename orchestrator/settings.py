@@ -1,0 +1,39 @@
+"""Orchestrator configuration: SPECDEC_ORCHESTRATOR_* variables or CLI flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ControllerName = Literal["fixed", "acceptance", "hf", "cost"]
+
+
+class OrchestratorSettings(BaseSettings):
+    """How the orchestrator reaches the model services and what requests default to."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECDEC_ORCHESTRATOR_", cli_prog_name="python -m orchestrator")
+
+    host: str = Field("0.0.0.0", description="Interface to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
+    draft_address: str = Field("localhost:50051", description="host:port of the draft service.")
+    target_address: str = Field("localhost:50052", description="host:port of the target service.")
+    tokenizer: str | None = Field(
+        None, description="Tokenizer to use (id, path or 'embedded'); default: the target's model id from Info."
+    )
+    draft_timeout_s: float = Field(2.0, gt=0, description="Deadline of one Propose call; past it the step runs without a draft.")
+    target_timeout_s: float = Field(60.0, gt=0, description="Deadline of one Verify call.")
+    draft_retry_s: float = Field(5.0, ge=0, description="After a draft failure, decode without drafts this long, then retry.")
+    default_controller: ControllerName = Field("cost", description="Controller used when a request names none.")
+    default_k: int = Field(4, ge=0, le=64, description="Initial (or, for 'fixed', constant) draft length.")
+    default_max_k: int = Field(8, ge=1, le=64, description="Upper bound of k for adaptive controllers.")
+    default_confidence_threshold: float = Field(
+        0.3, ge=0, le=1, description="Draft stops after a token whose draft probability is below this."
+    )
+    default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none.")
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get HTTP 413.")
+    max_concurrent_requests: int = Field(64, ge=1, description="More concurrent generations get HTTP 429.")
+    model_name: str | None = Field(None, description="Model name reported by /v1/models; default: the target's model id.")
+    log_level: str = Field("INFO", description="Python logging level.")

@@ -1,0 +1,108 @@
+"""k controllers, without any model."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.controller import (
+    AcceptanceController,
+    CostController,
+    CostModel,
+    FixedController,
+    HFController,
+    StepObservation,
+    expected_tokens,
+    make_controller,
+)
+
+
+def step(k, proposed, accepted, draft_ms=10.0, verify_ms=40.0, warm=True):
+    return StepObservation(k=k, proposed=proposed, accepted=accepted, draft_ms=draft_ms, verify_ms=verify_ms,
+                           draft_compute_ms=draft_ms * 0.9, warm=warm)
+
+
+def test_fixed_never_moves():
+    c = FixedController(3, 8)
+    for accepted in (0, 3, 1):
+        c.observe(step(3, 3, accepted))
+        assert c.next_k() == 3
+
+
+def test_hf_heuristic_plus_two_minus_one():
+    c = HFController(4, 8)
+    c.observe(step(4, 4, 4))
+    assert c.next_k() == 6
+    c.observe(step(6, 6, 6))
+    assert c.next_k() == 8  # clamped at max_k
+    c.observe(step(8, 8, 2))
+    assert c.next_k() == 7
+    for _ in range(10):
+        c.observe(step(c.k, c.k, 0))
+    assert c.next_k() == 1  # floor 1
+
+
+def test_acceptance_rule_grows_then_follows_rate():
+    c = AcceptanceController(2, 8)
+    c.observe(step(2, 2, 2))
+    assert c.next_k() == 3
+    for _ in range(6):
+        c.observe(step(c.k, c.k, 0))  # nothing accepted: rate collapses
+    assert c.next_k() == 1
+    for _ in range(20):
+        c.observe(step(4, 4, 3))  # 75 % acceptance with a rejection every time: a/(1-a) = 3
+    assert c.next_k() == 3
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_cost_controller_picks_long_drafts_when_cheap_and_accepted():
+    c = CostController(2, 8)
+    for _ in range(30):
+        # verify barely grows with k, drafting is cheap, everything is accepted
+        k = c.next_k()
+        c.observe(step(k, k, k, draft_ms=2.0 * k + 0.5, verify_ms=40 + 1.0 * k))
+    assert c.next_k() >= 6
+
+
+def test_cost_controller_turns_speculation_off_when_it_does_not_pay():
+    c = CostController(4, 8, probe_every=1000)
+    for _ in range(40):
+        k = c.next_k()
+        # drafting costs as much as verifying and nothing is ever accepted
+        c.observe(step(k, k, 0, draft_ms=35.0 * k, verify_ms=40 + 5.0 * k))
+    assert c.alpha < 0.7  # learned from the rejections before it stopped drafting
+    assert c.next_k() == 0
+
+
+def test_cost_controller_probes_after_choosing_zero():
+    c = CostController(4, 8, probe_every=3)
+    for _ in range(40):
+        k = c.next_k()
+        c.observe(step(k, k, 0, draft_ms=35.0 * max(k, 1), verify_ms=40 + 5.0 * k))
+    picks = [c.next_k() for _ in range(6)]
+    assert 0 in picks and 1 in picks
+
+
+def test_cost_model_fits_verify_line():
+    m = CostModel(decay=1.0)
+    for k, ms in [(0, 30), (2, 40), (4, 50), (8, 70)]:
+        m.observe_verify(k, ms)
+    assert m.verify_ms(6) == pytest.approx(60, rel=1e-6)
+    assert m.verify_ms(0) == pytest.approx(30, rel=1e-6)
+
+
+def test_first_step_costs_do_not_count():
+    c = CostController(4, 8)
+    c.observe(step(4, 4, 4, verify_ms=900.0, warm=False))  # prompt prefill
+    assert c.costs.verify_ms(4) is None
+    assert c.alpha > 0.8  # but its acceptance does
+
+
+def test_make_controller():
+    assert isinstance(make_controller("cost", 4, 8), CostController)
+    with pytest.raises(ValueError, match="unknown controller"):
+        make_controller("magic", 4, 8)
