@@ -232,7 +232,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
     async def generate_route(body: GenerateRequest, request: Request) -> GenerateResponse:
         """Generate a continuation of `prompt`; the response lists every speculative step."""
         rt: Runtime = request.app.state.rt
-        run = prepare(rt, body, encode_prompt(rt, body.prompt), body.max_tokens, body.stop, body.ignore_eos,
+        run = prepare(rt, body, request_prompt(rt, body), body.max_tokens, body.stop, body.ignore_eos,
                       sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed)))
         steps, result = await collect(run, request)
         return GenerateResponse(
@@ -246,7 +246,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         """The same as /v1/generate as server-sent events: a `step` event per iteration (accepted and
         rejected draft tokens, correction or bonus, text delta, timings), then one `done` event."""
         rt: Runtime = request.app.state.rt
-        run = prepare(rt, body, encode_prompt(rt, body.prompt), body.max_tokens, body.stop, body.ignore_eos,
+        run = prepare(rt, body, request_prompt(rt, body), body.max_tokens, body.stop, body.ignore_eos,
                       sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed)))
         events = await start_stream(run, request)
 
@@ -291,6 +291,15 @@ def require_ready(rt: Runtime) -> None:
 def encode_prompt(rt: Runtime, prompt: str) -> list[int]:
     require_ready(rt)
     return rt.tokenizer(prompt).input_ids
+
+
+def request_prompt(rt: Runtime, body: GenerateRequest) -> list[int]:
+    """Token ids of a /v1/generate body: its prompt as is, or its messages through the chat template."""
+    if body.messages is None:
+        return encode_prompt(rt, body.prompt)
+    from orchestrator.openai_api import chat_prompt_ids
+
+    return chat_prompt_ids(rt, body.messages)
 
 
 def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tokens: int | None,

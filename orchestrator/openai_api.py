@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from sse_starlette.sse import EventSourceResponse
 
-from orchestrator.schemas import ChatCompletionRequest, CompletionRequest
+from orchestrator.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from specdec import sampling as sm
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -41,6 +41,17 @@ def chat_prompt(rt: Any, messages: list[dict[str, str]]) -> list[int]:
     return tok(transcript).input_ids
 
 
+def chat_prompt_ids(rt: Any, messages: list[ChatMessage]) -> list[int]:
+    """Validated chat messages -> prompt token ids (HTTP 400 when the template rejects them)."""
+    from orchestrator.app import require_ready
+
+    require_ready(rt)
+    try:
+        return chat_prompt(rt, [{"role": m.role, "content": m.text()} for m in messages])
+    except Exception as exc:  # a template may reject a conversation shape (e.g. roles out of order)
+        raise HTTPException(400, detail=f"messages: the chat template rejected them: {exc}") from exc
+
+
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
     """The one model this deployment serves (the target; the draft only speeds it up)."""
@@ -62,15 +73,10 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion (the prompt is built with the tokenizer's chat template)."""
-    from orchestrator.app import prepare, require_ready
+    from orchestrator.app import prepare
 
     rt = request.app.state.rt
-    require_ready(rt)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        prompt_ids = chat_prompt(rt, messages)
-    except Exception as exc:  # a template may reject a conversation shape (e.g. roles out of order)
-        raise HTTPException(400, detail=f"messages: the chat template rejected them: {exc}") from exc
+    prompt_ids = chat_prompt_ids(rt, body.messages)
     sampling = sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed))
     max_tokens = body.max_completion_tokens or body.max_tokens
     run = prepare(rt, body, prompt_ids, max_tokens, body.stop, False, sampling)

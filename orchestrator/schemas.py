@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.settings import ControllerName
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
 
 
 class SpeculationParams(BaseModel):
@@ -33,7 +45,10 @@ class SamplingFields(BaseModel):
 class GenerateRequest(SpeculationParams, SamplingFields):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(..., min_length=1, description="Text to continue (no chat template applied).")
+    prompt: str | None = Field(None, min_length=1, description="Text to continue (no chat template applied).")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="A conversation, formatted with the tokenizer's chat template (instead of prompt)."
+    )
     max_tokens: int | None = Field(None, ge=1, description="New tokens to generate at most.")
     stop: list[str] | str | None = Field(None, description="Stop when any of these strings is generated.")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens.")
@@ -46,6 +61,12 @@ class GenerateRequest(SpeculationParams, SamplingFields):
         if len(stops) > 8 or any(not s or len(s) > 64 for s in stops):
             raise ValueError("stop takes at most 8 non-empty strings of at most 64 characters")
         return stops
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
 
 
 class Step(BaseModel):
@@ -95,18 +116,6 @@ class CompletionRequest(SpeculationParams):
         if not v:
             raise ValueError("prompt must not be empty")
         return v
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-        return self.content or ""
 
 
 class ChatCompletionRequest(SpeculationParams):

@@ -1,0 +1,280 @@
+"""The orchestrator end to end on the embedded default: real processes, real ports, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import start_model_service, start_orchestrator
+
+pytestmark = pytest.mark.embedded
+
+PROMPTS = [
+    "The three primary colors are",
+    "Write a haiku about autumn leaves falling in the wind.",
+    "def quicksort(arr):\n    \"\"\"Sort a list with quicksort.\"\"\"\n",
+    "Q: What is the capital of France?\nA:",
+    'Return a JSON object with the fields "name", "age" and "city" for a fictional person:\n',
+    "Summarise: The Industrial Revolution began in Britain in the late 18th century. It transformed "
+    "manufacturing through mechanisation, steam power and the factory system, and spread to Europe and "
+    "North America.\nSummary:",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1. Apples\n2. Bananas\n3.",
+]
+
+
+def gen(url: str, **body) -> dict:
+    r = httpx.post(url + "/v1/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_speculative_equals_autoregressive(embedded_stack, i):
+    url = embedded_stack["url"]
+    body = dict(prompt=PROMPTS[i], max_tokens=64, ignore_eos=i % 2 == 0)
+    plain = gen(url, mode="autoregressive", **body)
+    spec = gen(url, mode="speculative", **body)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["text"] == plain["text"]
+    if body["ignore_eos"]:
+        assert len(spec["token_ids"]) == 64
+    st = spec["stats"]
+    assert st["iterations"] < st["tokens"]  # several tokens per target pass
+    assert plain["stats"]["iterations"] == plain["stats"]["tokens"]
+    # every step's accounting adds up: accepted draft tokens + the target's own token
+    assert sum(s["accepted"] for s in spec["steps"]) + len(spec["steps"]) >= len(spec["token_ids"])
+    for s in spec["steps"]:
+        assert (s["correction"] is None) != (s["bonus"] is None)
+        if s["correction"] is not None:
+            assert s["accepted"] < len(s["draft"])
+
+
+@pytest.mark.parametrize("controller", ["fixed", "acceptance", "hf", "cost"])
+def test_every_controller_keeps_the_output(embedded_stack, controller):
+    url = embedded_stack["url"]
+    body = dict(prompt=PROMPTS[6], max_tokens=48, ignore_eos=True)
+    plain = gen(url, mode="autoregressive", **body)
+    spec = gen(url, controller=controller, k=3, max_k=6, **body)
+    assert spec["token_ids"] == plain["token_ids"] and spec["controller"] == controller
+    ks = {s["k"] for s in spec["steps"]}
+    if controller == "fixed":
+        assert ks == {3} or ks <= {3, 2, 1}  # only the tail may shrink to the tokens left
+    assert max(ks) <= 6
+
+
+def test_chat_messages_on_generate(embedded_stack):
+    r = gen(embedded_stack["url"], messages=[{"role": "user", "content": "Say hello."}], max_tokens=16)
+    assert r["text"] and r["prompt_tokens"] > 5
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
+    events, event, data = [], None, []
+    for line in response.iter_lines():
+        if line.startswith("event:"):
+            event = line.split(":", 1)[1].strip()
+        elif line.startswith("data:"):
+            data.append(line.split(":", 1)[1].strip())
+        elif not line and data:
+            events.append((event or "message", json.loads("\n".join(data))))
+            event, data = None, []
+    return events
+
+
+def test_stream_reassembles_to_the_same_text(embedded_stack):
+    url = embedded_stack["url"]
+    body = dict(prompt=PROMPTS[1], max_tokens=48)
+    full = gen(url, **body)
+    with httpx.stream("POST", url + "/v1/generate/stream", json=body, timeout=300) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    steps = [d for e, d in events if e == "step"]
+    done = [d for e, d in events if e == "done"]
+    assert len(done) == 1 and events[-1][0] == "done"
+    assert "".join(s["text"] for s in steps) == done[0]["text"] == full["text"]
+    assert [t for s in steps for t in s["tokens"]] == done[0]["token_ids"] == full["token_ids"]
+    for s in steps:
+        assert len(s["token_texts"]) == len(s["draft"]) and s["next_kind"] in {"bonus", "correction", "plain"}
+        assert len(s["target_probs"]) == len(s["draft"]) == len(s["draft_confidences"])
+
+
+def test_openai_client(embedded_stack):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=embedded_stack["url"] + "/v1", api_key="unused")
+    models = client.models.list()
+    assert len(models.data) == 1
+    model = models.data[0].id
+    c = client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=24, temperature=0)
+    assert c.choices[0].text and c.usage.completion_tokens <= 24
+    assert c.model_extra["specdec"]["tokens"] == c.usage.completion_tokens
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=model, prompt=PROMPTS[3], max_tokens=24, temperature=0, stream=True))
+    assert streamed == c.choices[0].text
+    messages = [{"role": "user", "content": "Name two planets."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
+
+
+def test_seeded_sampling_is_reproducible(embedded_stack):
+    url = embedded_stack["url"]
+    body = dict(prompt=PROMPTS[6], max_tokens=32, temperature=0.9, top_p=0.95, seed=1234)
+    a, b = gen(url, **body), gen(url, **body)
+    assert a["token_ids"] == b["token_ids"]
+    c = gen(url, **{**body, "seed": 99})
+    assert c["token_ids"] != a["token_ids"]
+    assert a["stats"]["draft_tokens"] > 0  # sampling requests speculate too
+
+
+def test_stop_strings_and_max_tokens(embedded_stack):
+    url = embedded_stack["url"]
+    r = gen(url, prompt=PROMPTS[7], max_tokens=40, stop=["\n4."])
+    assert r["finish_reason"] == "stop" and "4." not in r["text"][-3:]
+    r = gen(url, prompt=PROMPTS[0], max_tokens=5, ignore_eos=True)
+    assert r["finish_reason"] == "length" and len(r["token_ids"]) == 5
+
+
+BAD = [
+    ({"prompt": ""}, 422, "prompt"),
+    ({}, 422, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 100000}, 422, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 422, "temperature"),
+    ({"prompt": "x", "controller": "magic"}, 422, "controller"),
+    ({"prompt": "x", "k": 9, "max_k": 4}, 422, "k"),
+    ({"prompt": "x", "confidence_threshold": 2}, 422, "confidence_threshold"),
+    ({"prompt": "x", "mode": "fast"}, 422, "mode"),
+    ({"prompt": "x", "unknown": 1}, 422, "unknown"),
+    ({"prompt": "word " * 9000}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body, status, field", BAD)
+def test_bad_input_gets_4xx_naming_the_field(embedded_stack, body, status, field):
+    r = httpx.post(embedded_stack["url"] + "/v1/generate", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert field in json.dumps(r.json()["detail"])
+
+
+def test_oversized_body_is_413_and_service_goes_on(embedded_stack):
+    url = embedded_stack["url"]
+    r = httpx.post(url + "/v1/generate", content=b'{"prompt": "' + b"a" * (2 << 20) + b'"}',
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "body" in r.json()["detail"]
+    assert gen(url, prompt="Hello", max_tokens=4)["token_ids"]
+
+
+def test_concurrent_requests(embedded_stack):
+    import concurrent.futures as cf
+
+    url = embedded_stack["url"]
+    bodies = [dict(prompt=p, max_tokens=24, ignore_eos=True) for p in PROMPTS[:3]]
+    sequential = [gen(url, **b)["token_ids"] for b in bodies]
+    with cf.ThreadPoolExecutor(3) as pool:
+        parallel = list(pool.map(lambda b: gen(url, **b)["token_ids"], bodies))
+    assert parallel == sequential
+
+
+def test_health_ready_metrics(embedded_stack):
+    url = embedded_stack["url"]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    ready = httpx.get(url + "/ready").json()
+    assert ready["ready"] and ready["draft"]["backend"] == "llamacpp" and ready["target"]["backend"] == "transformers"
+    text = httpx.get(url + "/metrics").text
+    for name in ("specdec_drafts_total", "specdec_draft_tokens_total", "specdec_accepted_tokens_total",
+                 "specdec_accepted_per_position_total", "specdec_k_bucket", "specdec_rpc_client_duration_seconds",
+                 "specdec_request_tokens_per_second", "specdec_active_requests"):
+        assert name in text, name
+    assert httpx.get(url + "/docs").status_code == 200
+
+
+def test_draft_killed_mid_request_keeps_output(tmp_path, embedded_stack):
+    """A draft service that dies mid-request costs speed, not correctness: same output, 200."""
+    draft, draft_port = start_model_service("draft", tmp_path)
+    orch, url = start_orchestrator(draft_port, embedded_stack["target_port"], tmp_path)
+    try:
+        body = dict(prompt=PROMPTS[6], max_tokens=96, ignore_eos=True, controller="fixed", k=2)
+        plain = gen(embedded_stack["url"], mode="autoregressive", **body)
+        with httpx.stream("POST", url + "/v1/generate/stream", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            events, killed = [], False
+            event, data = None, []
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    event = line.split(":", 1)[1].strip()
+                elif line.startswith("data:"):
+                    data.append(line.split(":", 1)[1].strip())
+                elif not line and data:
+                    events.append((event, json.loads("\n".join(data))))
+                    event, data = None, []
+                    if len(events) == 3 and not killed:
+                        draft.kill()
+                        killed = True
+        done = [d for e, d in events if e == "done"][0]
+        assert done["token_ids"] == plain["token_ids"]
+        assert done["stats"]["draft_fallbacks"] >= 1
+        steps = [d for e, d in events if e == "step"]
+        assert any(s["draft_error"] for s in steps) and steps[-1]["draft"] == []
+        # not ready without a draft, but still serving (plain decoding)
+        assert httpx.get(url + "/ready").status_code == 503
+        assert gen(url, prompt="Hi", max_tokens=4)["stats"]["draft_tokens"] == 0
+    finally:
+        orch.stop()
+        draft.stop()
+
+
+def test_target_down_is_503(tmp_path, embedded_stack):
+    from tests.conftest import free_port
+
+    orch, url = start_orchestrator(embedded_stack["draft_port"], free_port(), tmp_path, wait_ready=False)
+    try:
+        r = httpx.get(url + "/ready")
+        assert r.status_code == 503 and "target" in r.json()["reason"]
+        r = httpx.post(url + "/v1/generate", json={"prompt": "Hello"}, timeout=30)
+        assert r.status_code == 503 and "target" in r.json()["detail"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello"}, timeout=30)
+        assert r.status_code == 503
+    finally:
+        orch.stop()
+
+
+def test_target_killed_while_serving_is_503(tmp_path, embedded_stack):
+    target, target_port = start_model_service("target", tmp_path)
+    orch, url = start_orchestrator(embedded_stack["draft_port"], target_port, tmp_path)
+    try:
+        assert gen(url, prompt="Hello", max_tokens=4)["token_ids"]
+        target.kill()
+        time.sleep(0.5)
+        r = httpx.post(url + "/v1/generate", json={"prompt": "Hello", "max_tokens": 8}, timeout=60)
+        assert r.status_code == 503 and "target" in r.json()["detail"]
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        orch.stop()
+        target.stop()
+
+
+def test_mismatched_tokenizers_refuse_to_serve(tmp_path, tiny_models, embedded_stack):
+    """A draft with another tokenizer: not ready, with a clear reason, and generation refused."""
+    draft, draft_port = start_model_service("draft", tmp_path, {
+        "SPECDEC_DRAFT_BACKEND": "transformers", "SPECDEC_DRAFT_MODEL": tiny_models["gpt2-draft"]})
+    orch, url = start_orchestrator(draft_port, embedded_stack["target_port"], tmp_path, wait_ready=False)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            r = httpx.get(url + "/ready")
+            if "tokenizers differ" in r.json()["reason"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 503 and "tokenizers differ" in r.json()["reason"]
+        r = httpx.post(url + "/v1/generate", json={"prompt": "Hello"}, timeout=30)
+        assert r.status_code == 503 and "tokenizers differ" in r.json()["detail"]
+    finally:
+        orch.stop()
+        draft.stop()

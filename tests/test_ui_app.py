@@ -1,0 +1,488 @@
+"""The dashboard page (Streamlit AppTest) against a fake orchestrator on a real port, and the pure
+functions behind it (ui.render, ui.client)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import free_port
+from ui import render
+from ui.client import OrchestratorClient, Rejected, StreamFailed, Unreachable, describe_detail, parse_sse
+
+APP = str(Path(__file__).resolve().parent.parent / "ui" / "app.py")
+
+# ---- canned events -------------------------------------------------------------------------------
+
+TEXTS = {10: " The", 11: " cat", 12: " <b>&", 13: " x", 20: " dog", 21: " ran", 22: " off", 23: " to",
+         24: " the", 25: " y", 26: " z", 30: " park", 31: " zoo"}
+
+
+def step(index: int, k: int, draft: list[int], accepted: int, next_token: int, kind: str,
+         tokens: list[int] | None = None) -> dict[str, Any]:
+    tokens = tokens if tokens is not None else draft[:accepted] + [next_token]
+    return {
+        "index": index, "k": k, "draft": draft, "draft_confidences": [0.9 - 0.1 * i for i in range(len(draft))],
+        "target_probs": [0.8 if i < accepted else 0.05 for i in range(len(draft))], "accepted": accepted,
+        "next_token": next_token, "next_kind": kind, "next_token_prob": 0.6, "tokens": tokens,
+        "text": "".join(TEXTS[t] for t in tokens), "draft_ms": 4.0 * len(draft), "verify_ms": 20.0,
+        "draft_compute_ms": 3.0 * len(draft), "verify_compute_ms": 18.0, "overhead_ms": 1.0,
+        "draft_stop_reason": "", "draft_error": "", "token_texts": [TEXTS[t] for t in draft],
+        "next_token_text": TEXTS[next_token],
+    }
+
+
+SPECULATIVE = [
+    step(0, 4, [10, 11, 12, 13], 2, 20, "correction"),  # two accepted, two rejected, a correction
+    step(1, 3, [21, 22, 23], 3, 24, "bonus"),  # all accepted, a bonus token
+    step(2, 4, [25, 26], 0, 30, "correction"),  # the draft stopped early; nothing accepted
+]
+IDS = [10, 11, 20, 21, 22, 23, 24, 30]
+
+
+def stats(tokens: int, iterations: int, drafted: int, accepted: int, tps: float) -> dict[str, Any]:
+    return {"tokens": tokens, "iterations": iterations, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_per_iteration": accepted / iterations, "mean_tokens_per_iteration": tokens / iterations,
+            "tokens_per_second": tps, "elapsed_ms": 1e3 * tokens / tps, "first_token_ms": 30.0,
+            "draft_ms": 36.0, "verify_ms": 60.0, "overhead_ms": 3.0, "draft_fallbacks": 0}
+
+
+def done(ids: list[int], mode: str, st: dict[str, Any]) -> dict[str, Any]:
+    return {"text": "".join(TEXTS[t] for t in ids), "token_ids": ids, "finish_reason": "length", "prompt_tokens": 5,
+            "mode": mode, "controller": "cost", "stats": st}
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\r\ndata: {json.dumps(data)}\r\n\r\n".encode()
+
+
+INFO_MODEL = {"model_id": "/cache/SmolLM2-135M-Instruct", "backend": "transformers", "dtype": "float32",
+              "device": "cpu", "vocab_size": 49152, "max_context": 8192, "sessions": 1, "kv_bytes": 2 << 20,
+              "tokenizer_fingerprint": "abc"}
+DEFAULTS = {"controller": "cost", "k": 4, "max_k": 8, "confidence_threshold": 0.3, "max_tokens": 128,
+            "max_tokens_limit": 4096}
+
+
+class FakeOrchestrator:
+    """The orchestrator's HTTP surface with canned answers; ``mode`` picks the behaviour."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"  # ok | not_ready | bad_input | bad_prompt | mid_error | draft_failing | plain_differs
+        self.requests: list[dict[str, Any]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def reply(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                ready = fake.mode != "not_ready"
+                reason = "" if ready else "target service at 127.0.0.1:1 unreachable: UNAVAILABLE"
+                if self.path == "/health":
+                    self.reply(200, {"status": "ok"})
+                elif self.path == "/ready":
+                    self.reply(200 if ready else 503, {"ready": ready, "reason": reason, "draft": INFO_MODEL,
+                                                       "target": INFO_MODEL if ready else {}})
+                elif self.path == "/v1/info":
+                    self.reply(200, {"ready": ready, "reason": reason, "draft": INFO_MODEL, "target": INFO_MODEL,
+                                     "draft_available": fake.mode != "draft_failing", "defaults": DEFAULTS,
+                                     "has_chat_template": True})
+                else:
+                    self.reply(404, {"detail": "Not Found"})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                fake.requests.append(body)
+                if fake.mode == "not_ready":
+                    return self.reply(503, {"detail": "not ready: target service at 127.0.0.1:1 unreachable"})
+                if fake.mode == "bad_input":
+                    return self.reply(422, {"detail": [{"type": "less_than_equal", "loc": ["body", "max_tokens"],
+                                                        "msg": "Input should be less than or equal to 4096"}]})
+                if fake.mode == "bad_prompt":
+                    return self.reply(400, {"detail": "prompt: 9000 tokens, over the model's context of 8191"})
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("connection", "close")
+                self.end_headers()
+                if body.get("mode") == "autoregressive":
+                    ids = [31 if i == 7 and fake.mode == "plain_differs" else t for i, t in enumerate(IDS)]
+                    events = [sse("step", step(i, 0, [], 0, t, "plain")) for i, t in enumerate(ids)]
+                    events.append(sse("done", done(ids, "autoregressive", stats(8, 8, 0, 0, 20.0))))
+                elif fake.mode == "mid_error":
+                    events = [sse("step", SPECULATIVE[0]),
+                              sse("error", {"status": 503, "detail": "target service: UNAVAILABLE: gone"})]
+                else:
+                    events = [b": ping\r\n\r\n"] + [sse("step", s) for s in SPECULATIVE]
+                    events.append(sse("done", done(IDS, "speculative", stats(8, 3, 9, 5, 40.0))))
+                for chunk in events:
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+                self.close_connection = True
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FakeOrchestrator:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeOrchestrator() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(server, monkeypatch):
+    server.mode = "ok"
+    server.requests.clear()
+    monkeypatch.setenv("SPECDEC_UI_ORCHESTRATOR_URL", server.url)
+    return server
+
+
+def app():
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def submit(at, prompt: str, button: str = "generate"):
+    at.text_area(key="prompt").input(prompt)
+    at.button(key=button).click().run()
+    assert not at.exception, at.exception
+    return at
+
+
+def stream_html(at) -> list[str]:
+    return [h.value for h in at.html if h.value.startswith("<div class=\"tok-stream\">")]
+
+
+def metrics(at) -> dict[str, str]:
+    return {m.label: m.value for m in at.metric}
+
+
+def messages(elements) -> str:
+    return "\n".join(e.value for e in elements)
+
+
+# ---- the page ------------------------------------------------------------------------------------
+
+def test_services_and_defaults_from_the_orchestrator(fake):
+    at = app()
+    panel = messages(at.sidebar.markdown)
+    assert "**orchestrator**: ready" in panel and "**target**: up" in panel and "**draft**: up" in panel
+    assert "SmolLM2-135M-Instruct · transformers · float32" in messages(at.sidebar.caption)
+    assert at.number_input(key="k").value == 4 and at.number_input(key="max_k").value == 8
+    assert at.selectbox(key="controller").value == "cost"
+    assert not at.error and not at.warning
+    legend = next(h.value for h in at.html if "tok-legend" in h.value)
+    for kind in render.KINDS:
+        assert f"tok tok-{kind}" in legend and render.LABELS[kind] in legend
+
+
+def test_generate_shows_provenance_charts_and_summary(fake):
+    at = submit(app(), "Once upon a time")
+    body = fake.requests[-1]
+    assert body["prompt"] == "Once upon a time" and "messages" not in body
+    assert body["mode"] == "speculative" and body["controller"] == "cost" and body["k"] == 4
+    assert body["max_k"] == 8 and body["max_tokens"] == 128 and body["temperature"] == 0.0 and "seed" not in body
+
+    [html] = stream_html(at)
+    assert html.count("tok tok-accepted") == 5  # 2 + 3
+    assert html.count("tok tok-rejected") == 4  # 2 in step 0, 2 in step 2
+    assert html.count("tok tok-correction") == 2 and html.count("tok tok-bonus") == 1
+    assert "tok-plain" not in html
+    # order: accepted, accepted, rejected (struck through where rejected), rejected, correction
+    order = [html.index(s) for s in ['"> The<', '"> cat<', '"> &lt;b&gt;&amp;<', '"> x<', '"> dog<']]
+    assert order == sorted(order)
+    assert "draft confidence 90.0 %" in html and "target probability 80.0 %" in html  # hover text
+
+    m = metrics(at)
+    assert m["Acceptance rate"] == "56%" and m["Accepted / iteration"] == "1.67" and m["Tokens/s"] == "40.0"
+    assert m["Draft time"] == "36 ms" and m["Verify time"] == "60 ms" and m["Overhead"] == "3 ms"
+    assert "Time split draft / verify / overhead: 36% / 61% / 3%" in messages(at.caption)
+
+    frame = at.dataframe[0].value
+    assert frame["k"].tolist() == [4, 3, 4] and frame["accepted"].tolist() == [2, 3, 0]
+    assert frame["tokens"].tolist() == [3, 4, 1]
+    # cumulative tokens/s from the step timings: 3 tokens in 37 ms, 7 in 70 ms, 8 in 99 ms
+    assert frame["tokens_per_s"].tolist() == pytest.approx([81.08, 100.0, 80.81], abs=0.01)
+    assert len(at.get("arrow_vega_lite_chart")) == 2
+    assert not at.error
+
+
+def test_answer_survives_a_rerun(fake):
+    at = submit(app(), "Once upon a time")
+    at.slider(key="temperature").set_value(0.7).run()
+    assert len(stream_html(at)) == 1 and len(fake.requests) == 1
+
+
+def test_options_reach_the_request(fake):
+    at = app()
+    at.radio(key="mode").set_value("autoregressive")
+    at.selectbox(key="controller").set_value("fixed")
+    at.number_input(key="k").set_value(2)
+    at.slider(key="temperature").set_value(0.5)
+    at.number_input(key="seed").set_value(7)
+    at.checkbox(key="ignore_eos").check()
+    at.run()
+    submit(at, "Hello")
+    body = fake.requests[-1]
+    assert body["mode"] == "autoregressive" and body["controller"] == "fixed" and body["k"] == 2
+    assert body["temperature"] == 0.5 and body["seed"] == 7 and body["ignore_eos"] is True
+    [html] = stream_html(at)
+    assert html.count("tok tok-plain") == 8 and "tok-accepted" not in html
+    assert metrics(at)["Acceptance rate"] == "n/a"
+
+
+def test_chat_mode_sends_messages(fake):
+    at = app()
+    at.radio(key="input_style").set_value("Chat").run()
+    submit(at, "Tell me a story")
+    body = fake.requests[-1]
+    assert body["messages"] == [{"role": "user", "content": "Tell me a story"}] and "prompt" not in body
+
+
+def test_compare_with_plain_decoding(fake):
+    at = submit(app(), "Once upon a time", button="compare")
+    assert [r["mode"] for r in fake.requests] == ["speculative", "autoregressive"]
+    assert fake.requests[0]["prompt"] == fake.requests[1]["prompt"]
+    assert metrics(at)["Speedup"] == "2.00×"
+    assert "Identical output: all 8 token ids match." in messages(at.success)
+    speculative, plain = stream_html(at)
+    assert "tok-accepted" in speculative and "tok-plain" in plain and "tok-accepted" not in plain
+
+
+def test_compare_reports_a_difference(fake):
+    fake.mode = "plain_differs"
+    at = submit(app(), "Once upon a time", button="compare")
+    assert "The outputs differ from token 8 on" in messages(at.warning)
+    assert metrics(at)["Identical output"] == "no"
+
+
+def test_orchestrator_down(monkeypatch):
+    monkeypatch.setenv("SPECDEC_UI_ORCHESTRATOR_URL", f"http://127.0.0.1:{free_port()}")
+    at = app()
+    assert "Cannot reach the orchestrator at http://127.0.0.1:" in messages(at.error)
+    assert "**orchestrator**: unreachable" in messages(at.sidebar.markdown)
+    submit(at, "Hello")
+    assert messages(at.error).count("Cannot reach the orchestrator") >= 2  # banner and the failed request
+    assert not stream_html(at)
+
+
+def test_orchestrator_not_ready(fake):
+    fake.mode = "not_ready"
+    at = app()
+    assert "not ready: target service at 127.0.0.1:1 unreachable" in messages(at.warning)
+    assert "**target**: down" in messages(at.sidebar.markdown)
+    submit(at, "Hello")
+    assert "The orchestrator is not ready (HTTP 503): not ready: target service" in messages(at.warning)
+    assert not at.error
+
+
+def test_draft_failing_is_reported(fake):
+    fake.mode = "draft_failing"
+    at = app()
+    assert "**draft**: failing" in messages(at.sidebar.markdown)
+    assert "decodes with the target alone" in messages(at.info)
+
+
+@pytest.mark.parametrize(("mode", "message"), [
+    ("bad_input", "rejected the request (HTTP 422): max_tokens: Input should be less than or equal to 4096"),
+    ("bad_prompt", "rejected the request (HTTP 400): prompt: 9000 tokens, over the model's context of 8191"),
+])
+def test_rejected_input_shows_the_detail(fake, mode, message):
+    fake.mode = mode
+    at = submit(app(), "Hello")
+    assert message in messages(at.error)
+    assert not stream_html(at)
+
+
+def test_failure_mid_stream_keeps_the_partial_answer(fake):
+    fake.mode = "mid_error"
+    at = submit(app(), "Hello")
+    assert "Generation failed part-way (HTTP 503): target service: UNAVAILABLE: gone" in messages(at.error)
+    [html] = stream_html(at)
+    assert html.count("tok-accepted") == 2 and html.count("tok-correction") == 1
+
+
+def test_empty_prompt_is_not_sent(fake):
+    at = submit(app(), "   ")
+    assert "Write a prompt first." in messages(at.warning) and not fake.requests
+
+
+# ---- ui.render -----------------------------------------------------------------------------------
+
+def kinds(s: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(t.kind, t.text) for t in render.step_tokens(s)]
+
+
+def test_step_tokens_correction():
+    assert kinds(SPECULATIVE[0]) == [("accepted", " The"), ("accepted", " cat"), ("rejected", " <b>&"),
+                                     ("rejected", " x"), ("correction", " dog")]
+
+
+def test_step_tokens_bonus_and_plain():
+    assert kinds(SPECULATIVE[1]) == [("accepted", " ran"), ("accepted", " off"), ("accepted", " to"),
+                                     ("bonus", " the")]
+    assert kinds(step(0, 0, [], 0, 30, "plain")) == [("plain", " park")]
+
+
+def test_step_tokens_cut_at_eos_or_max_tokens():
+    # the step was trimmed after one accepted token: the rest of it is not shown
+    assert kinds(step(0, 4, [10, 11, 12], 2, 20, "correction", tokens=[10])) == [("accepted", " The")]
+    # trimmed right after the accepted prefix: the correction was not kept, so neither are the rejected
+    assert kinds(step(0, 4, [10, 11, 12], 2, 20, "correction", tokens=[10, 11])) == [
+        ("accepted", " The"), ("accepted", " cat")]
+
+
+def test_step_tokens_titles():
+    accepted, *_, correction = render.step_tokens(SPECULATIVE[0])
+    assert accepted.title.splitlines() == ["accepted draft token", "draft confidence 90.0 %",
+                                           "target probability 80.0 %", "iteration 1, k = 4"]
+    assert correction.title.splitlines()[:3] == ["target correction", "draft confidence n/a (not drafted)",
+                                                 "target probability 60.0 %"]
+
+
+def test_token_span_escapes_text_and_title():
+    span = render.token_span(render.Token('<script>"&', "bonus", 'a "quoted" <title>'))
+    assert span == ('<span class="tok tok-bonus" title="a &quot;quoted&quot; &lt;title&gt;">'
+                    "&lt;script&gt;&quot;&amp;</span>")
+    assert 'class="tok tok-plain tok-empty"' in render.token_span(render.Token("", "plain", "t"))
+
+
+def test_css_gives_every_kind_its_own_colours():
+    colours = {}
+    for kind in render.KINDS:
+        rule = render.CSS.split(f".tok-{kind} {{", 1)[1].split("}", 1)[0]
+        colours[kind] = rule
+        assert "background" in rule and "color" in rule
+    assert len(set(colours.values())) == len(render.KINDS)
+    assert "line-through" in colours["rejected"]
+
+
+def test_iteration_rows_and_live_summary():
+    rows = render.iteration_rows(SPECULATIVE)
+    assert [(r["iteration"], r["k"], r["drafted"], r["accepted"], r["tokens"], r["next"]) for r in rows] == [
+        (1, 4, 4, 2, 3, "correction"), (2, 3, 3, 3, 4, "bonus"), (3, 4, 2, 0, 1, "correction")]
+    assert [r["elapsed_ms"] for r in rows] == [37.0, 70.0, 99.0]
+    s = render.summary(SPECULATIVE)
+    assert (s.tokens, s.iterations, s.draft_tokens, s.accepted_tokens) == (8, 3, 9, 5)
+    assert s.acceptance_rate == pytest.approx(5 / 9) and s.mean_accepted_per_iteration == pytest.approx(5 / 3)
+    assert s.tokens_per_second == pytest.approx(8 / 0.099)
+    assert (s.draft_ms, s.verify_ms, s.overhead_ms) == (36.0, 60.0, 3.0)
+    assert s.share("verify") == pytest.approx(60 / 99)
+    assert render.summary([]).tokens_per_second == 0.0 and render.summary([]).share("draft") == 0.0
+
+
+def test_summary_prefers_the_final_stats():
+    s = render.summary(SPECULATIVE, stats(8, 3, 9, 5, 40.0))
+    assert s.tokens_per_second == 40.0 and s.elapsed_ms == 200.0 and s.first_token_ms == 30.0
+    assert isinstance(s.tokens, int) and s.acceptance_rate == pytest.approx(5 / 9)
+
+
+def test_compare():
+    spec = render.Generation("speculative", SPECULATIVE, done(IDS, "speculative", stats(8, 3, 9, 5, 40.0)))
+    plain = render.Generation("autoregressive", [], done(IDS, "autoregressive", stats(8, 8, 0, 0, 16.0)))
+    c = render.compare(spec, plain)
+    assert c.identical and c.first_difference is None and c.speedup == pytest.approx(2.5)
+    plain.done["token_ids"] = IDS[:3] + [99] + IDS[4:]
+    assert render.compare(spec, plain).first_difference == 3
+    plain.done["token_ids"] = IDS[:5]  # a prefix: differs where the shorter one ends
+    assert render.compare(spec, plain).first_difference == 5
+    assert render.compare(spec, render.Generation("autoregressive")).speedup == 0.0
+
+
+def test_generation_without_done_uses_the_steps():
+    gen = render.Generation("speculative", SPECULATIVE)
+    assert gen.token_ids == IDS and gen.text == "".join(TEXTS[t] for t in IDS)
+
+
+def test_build_request():
+    options = {"mode": "speculative", "k": 4, "seed": None}
+    assert render.build_request("hi", False, options) == {"prompt": "hi", "mode": "speculative", "k": 4}
+    assert render.build_request("hi", True, options) == {
+        "messages": [{"role": "user", "content": "hi"}], "mode": "speculative", "k": 4}
+
+
+def test_service_states():
+    down = render.service_states(False, "Cannot reach", {}, {})
+    assert [(s.name, s.ok) for s in down] == [("orchestrator", False), ("target", None), ("draft", None)]
+    ready = {"ready": True, "reason": "", "draft": INFO_MODEL, "target": INFO_MODEL}
+    up = render.service_states(True, "", ready, {"draft_available": True})
+    assert [s.ok for s in up] == [True, True, True]
+    assert up[1].detail == "SmolLM2-135M-Instruct · transformers · float32 · cpu · context 8192 · 1 sessions, KV 2.0 MB"
+    no_draft = {"ready": False, "reason": "draft service at x unreachable: UNAVAILABLE", "draft": {},
+                "target": INFO_MODEL}
+    assert [s.ok for s in render.service_states(True, "", no_draft, {})] == [False, True, False]
+    failing = render.service_states(True, "", ready, {"draft_available": False})[2]
+    assert failing.ok is False and failing.status.startswith("failing")
+
+
+# ---- ui.client -----------------------------------------------------------------------------------
+
+def test_parse_sse():
+    lines = ["event: step", "data: {\"a\": 1}", "", ": ping - 2024", "", "data: x", "data: y", "",
+             "event: done", "data:{}"]
+    assert list(parse_sse(lines)) == [("step", '{"a": 1}'), ("message", "x\ny"), ("done", "{}")]
+
+
+def test_describe_detail():
+    assert describe_detail("not ready") == "not ready"
+    assert describe_detail([{"loc": ["body", "k"], "msg": "too big"}, {"loc": ["body"], "msg": "bad"}]) == (
+        "k: too big; bad")
+    assert describe_detail({"x": 1}) == '{"x": 1}'
+
+
+def test_client_errors(fake):
+    client = OrchestratorClient(fake.url)
+    assert [e for e, _ in client.stream({"prompt": "x"})] == ["step", "step", "step", "done"]
+    fake.mode = "bad_input"
+    with pytest.raises(Rejected) as exc:
+        list(client.stream({"prompt": "x"}))
+    assert exc.value.status == 422 and exc.value.detail.startswith("max_tokens:")
+    fake.mode = "mid_error"
+    with pytest.raises(StreamFailed, match="part-way"):
+        list(client.stream({"prompt": "x"}))
+    with pytest.raises(Unreachable, match="Cannot reach"):
+        list(OrchestratorClient(f"http://127.0.0.1:{free_port()}").stream({"prompt": "x"}))
+    status = OrchestratorClient(f"http://127.0.0.1:{free_port()}").status()
+    assert not status.alive and "Cannot reach" in status.error
+
+
+def test_launch_command(monkeypatch):
+    from ui.__main__ import APP as app_path
+    from ui.__main__ import command
+
+    monkeypatch.setenv("SPECDEC_UI_PORT", "8765")
+    cmd = command()
+    assert cmd[1:5] == ["-m", "streamlit", "run", str(app_path)] and app_path.name == "app.py"
+    assert cmd[cmd.index("--server.port") + 1] == "8765"
+    assert cmd[cmd.index("--server.headless") + 1] == "true"
+    assert cmd[cmd.index("--server.address") + 1] == "0.0.0.0"
+    assert cmd[cmd.index("--browser.gatherUsageStats") + 1] == "false"

@@ -1,0 +1,34 @@
+"""``python -m ui``: serve the dashboard with Streamlit (default port 8501)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ui.settings import UISettings
+
+APP = Path(__file__).resolve().with_name("app.py")
+
+
+def command(settings: UISettings | None = None) -> list[str]:
+    """The ``streamlit run`` command line the dashboard is served with."""
+    settings = settings or UISettings()
+    return [
+        sys.executable, "-m", "streamlit", "run", str(APP),
+        "--server.port", str(settings.port),
+        "--server.headless", "true",
+        "--server.address", "0.0.0.0",
+        "--browser.gatherUsageStats", "false",
+        # nothing edits the page in production; watching files only costs CPU
+        "--server.fileWatcherType", "none",
+    ]
+
+
+def main() -> None:
+    cmd = command()
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()
