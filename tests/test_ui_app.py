@@ -232,7 +232,7 @@ def test_generate_shows_provenance_charts_and_summary(fake):
     assert frame["tokens"].tolist() == [3, 4, 1]
     # cumulative tokens/s from the step timings: 3 tokens in 37 ms, 7 in 70 ms, 8 in 99 ms
     assert frame["tokens_per_s"].tolist() == pytest.approx([81.08, 100.0, 80.81], abs=0.01)
-    assert len(at.get("arrow_vega_lite_chart")) == 2
+    assert len(at.get("vega_lite_chart")) == 2
     assert not at.error
 
 

@@ -1,0 +1,112 @@
+"""The dashboard in a real browser against the real stack on the embedded default: type a prompt,
+watch the answer arrive, check each token's provenance is styled distinctly and the numbers show.
+
+Needs Debian's chromium at /usr/bin/chromium (playwright drives it; it never downloads a browser).
+The screenshot is kept in the test's tmp dir and copied to docs/dashboard.png.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, Proc, free_port, wait_http
+
+CHROMIUM = Path("/usr/bin/chromium")
+ANSWER_TIMEOUT_MS = 180_000  # another process may be using both cores
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.embedded,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
+                                                     "(apt-get install chromium)"),
+]
+
+
+@pytest.fixture(scope="module")
+def dashboard(embedded_stack, tmp_path_factory):
+    """``python -m ui`` watching the embedded stack's orchestrator; yields its URL."""
+    port = free_port()
+    log_dir = tmp_path_factory.mktemp("ui-logs")
+    proc = Proc("ui", "ui", {"SPECDEC_UI_ORCHESTRATOR_URL": embedded_stack["url"], "SPECDEC_UI_PORT": str(port)},
+                log_dir)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, timeout_s=120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def test_dashboard_shows_speculation(dashboard, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM),
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(dashboard)
+            sidebar = page.get_by_test_id("stSidebar")
+            # the service panel has asked the orchestrator, which is ready
+            expect(sidebar.get_by_text("orchestrator: ready")).to_be_visible()
+            expect(sidebar.get_by_text("draft: up")).to_be_visible()
+
+            max_tokens = sidebar.get_by_label("Max tokens")
+            max_tokens.fill("40")
+            max_tokens.press("Enter")
+            expect(max_tokens).to_have_value("40")
+            page.get_by_label("Prompt").fill("The three primary colors are")
+            page.get_by_role("button", name="Generate", exact=True).click()
+
+            # the finished answer has its table of iterations; live redraws do not
+            expect(page.get_by_text("Per-iteration data")).to_be_visible(timeout=ANSWER_TIMEOUT_MS)
+            stream = page.locator(".tok-stream").last
+            accepted = stream.locator(".tok.tok-accepted")
+            target_own = stream.locator(".tok.tok-correction, .tok.tok-bonus")
+            assert accepted.count() > 0, stream.inner_html()
+            assert target_own.count() > 0, stream.inner_html()
+
+            def colours(locator) -> tuple[str, str]:
+                return locator.evaluate("e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).color]")
+
+            seen = {"accepted": colours(accepted.first)}
+            for kind in ("correction", "bonus", "rejected", "plain"):
+                spans = stream.locator(f".tok.tok-{kind}")
+                if spans.count():
+                    seen[kind] = colours(spans.first)
+            # legend samples exist for every kind, so all five styles can be compared
+            for kind in ("accepted", "rejected", "correction", "bonus", "plain"):
+                seen[f"legend-{kind}"] = colours(page.locator(f".tok-legend .tok-{kind}").first)
+            assert len({seen[f"legend-{k}"] for k in ("accepted", "rejected", "correction", "bonus", "plain")}) == 5
+            assert seen["accepted"] == seen["legend-accepted"]
+            assert all(seen[k] != seen["accepted"] for k in seen if not k.endswith("accepted"))
+            decoration = page.locator(".tok-legend .tok-rejected").evaluate(
+                "e => getComputedStyle(e).textDecorationLine")
+            assert "line-through" in decoration
+            assert "draft confidence" in accepted.first.get_attribute("title")
+            assert "target probability" in target_own.first.get_attribute("title")
+
+            # the summary row and both charts
+            labels = page.get_by_test_id("stMetricLabel").all_inner_texts()
+            for label in ("Acceptance rate", "Accepted / iteration", "Tokens/s", "Draft time", "Verify time",
+                          "Overhead"):
+                assert any(label in text for text in labels), labels
+            values = dict(zip(labels, page.get_by_test_id("stMetricValue").all_inner_texts(), strict=True))
+            assert float(next(v for k, v in values.items() if "Tokens/s" in k)) > 0
+            assert values[next(k for k in values if "Acceptance rate" in k)].endswith("%")
+            expect(page.get_by_text("finish: length")).to_be_visible()
+            charts = page.get_by_test_id("stVegaLiteChart")
+            expect(charts.nth(1)).to_be_visible()
+            page.wait_for_timeout(1500)  # let the charts finish drawing for the screenshot
+
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+            shutil.copyfile(shot, ROOT / "docs" / "dashboard.png")
+        finally:
+            browser.close()
