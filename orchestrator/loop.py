@@ -218,6 +218,15 @@ async def generate(
     used_draft = False
     finish = "length"
     t_start = time.perf_counter()
+    # The RPC in flight, shielded from cancellation: when the client goes away mid-call, the
+    # Release below must reach the service after that call, or the call would re-create the session.
+    inflight: asyncio.Future | None = None
+
+    async def call(coro: Any) -> Any:
+        nonlocal inflight
+        inflight = asyncio.ensure_future(coro)
+        return await asyncio.shield(inflight)
+
     ACTIVE.inc()
     try:
         while True:
@@ -238,9 +247,10 @@ async def generate(
             # 2. Fetch the draft (a failure only costs this step its draft).
             proposal, draft_error = None, ""
             if k > 0:
+                used_draft = True  # even a failed call may have created the session
                 try:
-                    proposal = await draft.propose(session_id, seq, k, params.confidence_threshold, params.sampling)
-                    used_draft = True
+                    proposal = await call(draft.propose(session_id, seq, k, params.confidence_threshold,
+                                                        params.sampling))
                     draft_health.succeeded()
                 except grpc.aio.AioRpcError as exc:
                     draft_error = f"{exc.code().name}: {exc.details()}"
@@ -253,8 +263,8 @@ async def generate(
             tokens = proposal.tokens if proposal else []
             # 3. Verify in one target pass.
             try:
-                v = await target.verify(session_id, seq, tokens, params.sampling,
-                                        proposal.distributions if proposal else ())
+                v = await call(target.verify(session_id, seq, tokens, params.sampling,
+                                             proposal.distributions if proposal else ()))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise BadRequest(exc.details()) from exc
@@ -318,7 +328,7 @@ async def generate(
         ACTIVE.dec()
         # Free both caches now, even when cancelled; never let cleanup fail the request.
         clients = [target] + ([draft] if used_draft else [])
-        asyncio.get_running_loop().create_task(_release(clients, session_id))
+        asyncio.get_running_loop().create_task(_release(clients, session_id, inflight))
 
 
 def _cut_at_stop(text: str, stop: list[str]) -> str:
@@ -326,7 +336,12 @@ def _cut_at_stop(text: str, stop: list[str]) -> str:
     return text[: min(positions)] if positions else text
 
 
-async def _release(clients: list, session_id: str) -> None:
+async def _release(clients: list, session_id: str, inflight: asyncio.Future | None) -> None:
+    if inflight is not None and not inflight.done():
+        try:
+            await inflight
+        except Exception:  # its failure was already handled, or nobody is waiting for it any more
+            pass
     for client in clients:
         try:
             await client.release(session_id)

@@ -278,3 +278,53 @@ def test_mismatched_tokenizers_refuse_to_serve(tmp_path, tiny_models, embedded_s
     finally:
         orch.stop()
         draft.stop()
+
+
+def test_slow_draft_past_its_deadline_falls_back(tmp_path, embedded_stack):
+    orch, url = start_orchestrator(embedded_stack["draft_port"], embedded_stack["target_port"], tmp_path,
+                                   env={"SPECDEC_ORCHESTRATOR_DRAFT_TIMEOUT_S": "0.0005"})
+    try:
+        body = dict(prompt=PROMPTS[0], max_tokens=24, ignore_eos=True)
+        r = gen(url, **body)
+        assert r["token_ids"] == gen(embedded_stack["url"], mode="autoregressive", **body)["token_ids"]
+        assert r["stats"]["draft_fallbacks"] >= 1 and r["stats"]["draft_tokens"] == 0
+    finally:
+        orch.stop()
+
+
+def test_client_disconnect_releases_both_sessions(embedded_stack):
+    import grpc
+
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    url = embedded_stack["url"]
+
+    def sessions() -> tuple[int, int]:
+        with grpc.insecure_channel(f"127.0.0.1:{embedded_stack['draft_port']}") as d, \
+                grpc.insecure_channel(f"127.0.0.1:{embedded_stack['target_port']}") as t:
+            return (pb_grpc.DraftServiceStub(d).Info(pb.InfoRequest()).sessions,
+                    pb_grpc.TargetServiceStub(t).Info(pb.InfoRequest()).sessions)
+
+    def generated() -> float:
+        for line in httpx.get(url + "/metrics").text.splitlines():
+            if line.startswith('specdec_generated_tokens_total{mode="speculative"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    before, tokens_before = sessions(), generated()
+    body = dict(prompt=PROMPTS[6], max_tokens=400, ignore_eos=True)
+    with httpx.stream("POST", url + "/v1/generate/stream", json=body, timeout=300) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("event: step")
+            if seen == 3:
+                break  # the client goes away mid-generation
+    deadline = time.monotonic() + 30
+    while sessions() != before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sessions() == before
+    # the server noticed: the generation stopped long before its 400 tokens
+    time.sleep(1.0)
+    assert generated() - tokens_before < 200
+    assert "specdec_active_requests 0.0" in httpx.get(url + "/metrics").text

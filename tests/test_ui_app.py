@@ -226,6 +226,7 @@ def test_generate_shows_provenance_charts_and_summary(fake):
     assert m["Acceptance rate"] == "56%" and m["Accepted / iteration"] == "1.67" and m["Tokens/s"] == "40.0"
     assert m["Draft time"] == "36 ms" and m["Verify time"] == "60 ms" and m["Overhead"] == "3 ms"
     assert "Time split draft / verify / overhead: 36% / 61% / 3%" in messages(at.caption)
+    assert "8 tokens in 3 iterations · finish: length · mode speculative · controller cost" in messages(at.caption)
 
     frame = at.dataframe[0].value
     assert frame["k"].tolist() == [4, 3, 4] and frame["accepted"].tolist() == [2, 3, 0]
@@ -258,6 +259,7 @@ def test_options_reach_the_request(fake):
     [html] = stream_html(at)
     assert html.count("tok tok-plain") == 8 and "tok-accepted" not in html
     assert metrics(at)["Acceptance rate"] == "n/a"
+    assert len(at.get("vega_lite_chart")) == 1  # tokens/s only: k and accepted are all zero
 
 
 def test_chat_mode_sends_messages(fake):

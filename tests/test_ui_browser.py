@@ -57,11 +57,23 @@ def test_dashboard_shows_speculation(dashboard, tmp_path):
             expect(sidebar.get_by_text("orchestrator: ready")).to_be_visible()
             expect(sidebar.get_by_text("draft: up")).to_be_visible()
 
+            # a fixed k drafts on every step, whatever the cost controller would make of a busy machine
+            sidebar.get_by_test_id("stSelectbox").click()
+            page.get_by_role("option", name="fixed").click()
+            expect(sidebar.get_by_role("combobox", name="k controller")).to_have_value("fixed")
             max_tokens = sidebar.get_by_label("Max tokens")
             max_tokens.fill("40")
             max_tokens.press("Enter")
             expect(max_tokens).to_have_value("40")
             page.get_by_role("textbox", name="Prompt").fill("The three primary colors are")
+            # count redraws that show tokens while the answer is still being generated
+            page.evaluate("""() => {
+                window.liveRedraws = 0;
+                new MutationObserver(() => {
+                    if (document.querySelector('.tok-stream .tok') && document.body.innerText.includes('generating:'))
+                        window.liveRedraws++;
+                }).observe(document.body, {subtree: true, childList: true, characterData: true});
+            }""")
             page.get_by_role("button", name="Generate", exact=True).click()
 
             # the finished answer has its table of iterations; live redraws do not
@@ -69,11 +81,12 @@ def test_dashboard_shows_speculation(dashboard, tmp_path):
             stream = page.locator(".tok-stream").last
             accepted = stream.locator(".tok.tok-accepted")
             target_own = stream.locator(".tok.tok-correction, .tok.tok-bonus")
+            assert page.evaluate("window.liveRedraws") > 0, "the answer did not stream in"
             assert accepted.count() > 0, stream.inner_html()
             assert target_own.count() > 0, stream.inner_html()
 
             def colours(locator) -> tuple[str, str]:
-                return locator.evaluate("e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).color]")
+                return tuple(locator.evaluate("e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).color]"))
 
             seen = {"accepted": colours(accepted.first)}
             for kind in ("correction", "bonus", "rejected", "plain"):
@@ -103,10 +116,14 @@ def test_dashboard_shows_speculation(dashboard, tmp_path):
             expect(page.get_by_text("finish: length")).to_be_visible()
             charts = page.get_by_test_id("stVegaLiteChart")
             expect(charts.nth(1)).to_be_visible()
-            page.wait_for_timeout(1500)  # let the charts finish drawing for the screenshot
+            # the page scrolls inside its main section: grow the window to all of it for the screenshot
+            height = page.evaluate("""() => Math.max(...['stMain', 'stSidebarContent'].map(
+                id => document.querySelector(`[data-testid=${id}]`)?.scrollHeight || 0))""")
+            page.set_viewport_size({"width": 1440, "height": max(1000, min(height + 40, 4000))})
+            page.wait_for_timeout(1500)  # let the charts redraw at the new size
 
             shot = tmp_path / "dashboard.png"
-            page.screenshot(path=str(shot), full_page=True)
+            page.screenshot(path=str(shot))
             shutil.copyfile(shot, ROOT / "docs" / "dashboard.png")
         finally:
             browser.close()

