@@ -134,7 +134,7 @@ def test_sampling_proposal_carries_distributions(target, other_draft, prompt):
     s = sm.Sampling(temperature=0.8, top_k=10, seed=3)
     p = other_draft.propose("s", prompt, 4, sampling=s, return_distributions=True)
     assert len(p.distributions) == len(p.tokens)
-    for tok, conf, (ids, probs) in zip(p.tokens, p.confidences, p.distributions):
+    for tok, conf, (ids, probs) in zip(p.tokens, p.confidences, p.distributions, strict=True):
         assert len(ids) <= 10 and tok in ids
         assert abs(probs[ids.index(tok)] - conf) < 1e-6
         assert abs(sum(probs) - 1) < 1e-4

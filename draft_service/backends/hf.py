@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from draft_service.proposer import Proposal, Proposer, draft_loop
 from specdec import sampling as sm
 from specdec.engine import CachedCausalLM, ModelInfo, eos_ids
 from specdec.models import LoadedModel, load_hf, tokenizer_fingerprint
 from specdec.sessions import SessionStore
-
-from draft_service.proposer import Proposal, Proposer, draft_loop
 
 
 class TransformersProposer(Proposer):

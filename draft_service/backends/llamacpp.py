@@ -15,13 +15,12 @@ import threading
 import numpy as np
 import torch
 
+from draft_service.proposer import Proposal, Proposer, draft_loop
 from specdec import sampling as sm
 from specdec.engine import ModelInfo
 from specdec.errors import ResourceExhausted
 from specdec.models import gguf_tokenizer_fingerprint, resolve_gguf
 from specdec.sessions import Session, SessionStore, common_prefix_len
-
-from draft_service.proposer import Proposal, Proposer, draft_loop
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,9 @@ exact: a rejected token is then resampled from the target's p with that token re
 
 from __future__ import annotations
 
+from draft_service.proposer import Proposal, Proposer, StopReason
 from specdec.engine import ModelInfo
 from specdec.sessions import SessionStore
-
-from draft_service.proposer import Proposal, Proposer, StopReason
 
 
 def find_continuation(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
