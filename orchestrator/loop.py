@@ -96,9 +96,11 @@ class GenerationStats:
     iterations: int = 0
     proposed: int = 0
     accepted: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    overhead_ms: float = 0.0
+    draft_ms: float = 0.0  # wall time of Propose calls as the orchestrator saw them
+    verify_ms: float = 0.0  # wall time of Verify calls
+    draft_compute_ms: float = 0.0  # server-side compute of Propose calls
+    verify_compute_ms: float = 0.0  # server-side compute of Verify calls
+    overhead_ms: float = 0.0  # loop time outside both RPCs
     elapsed_ms: float = 0.0
     first_token_ms: float = 0.0
     draft_fallbacks: int = 0
@@ -119,6 +121,10 @@ class GenerationStats:
             "first_token_ms": self.first_token_ms,
             "draft_ms": self.draft_ms,
             "verify_ms": self.verify_ms,
+            "draft_compute_ms": self.draft_compute_ms,
+            "verify_compute_ms": self.verify_compute_ms,
+            # RPC round trips, (de)serialisation and queueing: wall minus server compute
+            "rpc_overhead_ms": (self.draft_ms - self.draft_compute_ms) + (self.verify_ms - self.verify_compute_ms),
             "overhead_ms": self.overhead_ms,
             "draft_ms_per_iteration": self.draft_ms / it,
             "verify_ms_per_iteration": self.verify_ms / it,
@@ -296,6 +302,8 @@ async def generate(
             stats.accepted += v.num_accepted
             stats.draft_ms += draft_ms
             stats.verify_ms += v.wall_ms
+            stats.draft_compute_ms += proposal.compute_ms if proposal else 0.0
+            stats.verify_compute_ms += v.compute_ms
             stats.overhead_ms += max(step_ms - draft_ms - v.wall_ms, 0.0)
             if stats.iterations == 1:
                 stats.first_token_ms = (time.perf_counter() - t_start) * 1e3
