@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup run test test-fast proto lint bench clean-cache
+.PHONY: setup run test test-fast proto docs docker lint bench clean-cache
 
 setup: $(STAMP)
 
@@ -33,6 +33,13 @@ test-fast: setup
 ## Regenerate the gRPC stubs from proto/ (tests fail when they are stale).
 proto:
 	$(PY) -m specdec.codegen
+
+## Regenerate docs/configuration.md from the settings classes (a test checks it is fresh).
+docs:
+	$(PY) -m specdec.configdoc -o docs/configuration.md
+
+docker:
+	docker compose build
 
 lint:
 	$(VENV)/bin/ruff check .

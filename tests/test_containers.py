@@ -294,6 +294,13 @@ def test_hub_downloads_go_to_a_named_volume(compose: dict, services: dict) -> No
         assert f"hf-cache:{home.group(1)}" in services[name]["volumes"]
 
 
+def test_every_variable_compose_reads_is_documented() -> None:
+    docs = (ROOT / "docs" / "docker.md").read_text()
+    used = set(re.findall(r"\$\{(\w+)", COMPOSE.read_text() + COMPOSE_GRPC.read_text()))
+    assert {"SPECDEC_PAIR", "SPECDEC_TARGET_KV_BUDGET_MB", "SPECDEC_TARGET_MEMORY"} <= used
+    assert sorted(v for v in used if f"`{v}`" not in docs) == []
+
+
 def test_grpc_override_publishes_only_the_grpc_ports() -> None:
     override = load(COMPOSE_GRPC)
     published = {name: [p["target"] for p in s.get("ports", [])] for name, s in override["services"].items()}

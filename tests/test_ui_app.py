@@ -50,7 +50,8 @@ def stats(tokens: int, iterations: int, drafted: int, accepted: int, tps: float)
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_per_iteration": accepted / iterations, "mean_tokens_per_iteration": tokens / iterations,
             "tokens_per_second": tps, "elapsed_ms": 1e3 * tokens / tps, "first_token_ms": 30.0,
-            "draft_ms": 36.0, "verify_ms": 60.0, "overhead_ms": 3.0, "draft_fallbacks": 0}
+            "draft_ms": 36.0, "verify_ms": 60.0, "overhead_ms": 3.0, "draft_compute_ms": 27.0,
+            "verify_compute_ms": 54.0, "rpc_overhead_ms": 15.0, "draft_fallbacks": 0}
 
 
 def done(ids: list[int], mode: str, st: dict[str, Any]) -> dict[str, Any]:
@@ -225,6 +226,8 @@ def test_generate_shows_provenance_charts_and_summary(fake):
     m = metrics(at)
     assert m["Acceptance rate"] == "56%" and m["Accepted / iteration"] == "1.67" and m["Tokens/s"] == "40.0"
     assert m["Draft time"] == "36 ms" and m["Verify time"] == "60 ms" and m["Overhead"] == "3 ms"
+    draft_help = next(x.help for x in at.metric if x.label == "Draft time")
+    assert "36% of the time" in draft_help and "27 ms computing in the service, 9 ms in the round trip" in draft_help
     assert "Time split draft / verify / overhead: 36% / 61% / 3%" in messages(at.caption)
     assert "8 tokens in 3 iterations · finish: length · mode speculative · controller cost" in messages(at.caption)
 
@@ -398,6 +401,7 @@ def test_iteration_rows_and_live_summary():
     assert s.acceptance_rate == pytest.approx(5 / 9) and s.mean_accepted_per_iteration == pytest.approx(5 / 3)
     assert s.tokens_per_second == pytest.approx(8 / 0.099)
     assert (s.draft_ms, s.verify_ms, s.overhead_ms) == (36.0, 60.0, 3.0)
+    assert (s.draft_compute_ms, s.verify_compute_ms) == (27.0, 54.0)
     assert s.share("verify") == pytest.approx(60 / 99)
     assert render.summary([]).tokens_per_second == 0.0 and render.summary([]).share("draft") == 0.0
 

@@ -259,7 +259,11 @@ def show_generation(gen: Generation, compact: bool = False, live: bool = False) 
     for column, part, label in zip(row, ["draft", "verify", "overhead"], ["Draft time", "Verify time", "Overhead"],
                                    strict=True):
         ms = getattr(s, f"{part}_ms")
-        column.metric(label, f"{ms:.0f} ms", help=f"{s.share(part):.0%} of the time (draft / verify / overhead).")
+        detail = f"{s.share(part):.0%} of the time (draft / verify / overhead)."
+        if part != "overhead":
+            compute = getattr(s, f"{part}_compute_ms")
+            detail += f" {compute:.0f} ms computing in the service, {max(ms - compute, 0):.0f} ms in the round trip."
+        column.metric(label, f"{ms:.0f} ms", help=detail)
     st.caption(f"Time split draft / verify / overhead: {s.share('draft'):.0%} / {s.share('verify'):.0%} / "
                f"{s.share('overhead'):.0%}")
 

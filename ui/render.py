@@ -186,9 +186,11 @@ class Summary:
     tokens_per_second: float = 0.0
     elapsed_ms: float = 0.0
     first_token_ms: float = 0.0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    overhead_ms: float = 0.0
+    draft_ms: float = 0.0  # wall time of the draft calls, as the orchestrator saw them
+    verify_ms: float = 0.0  # wall time of the target calls
+    overhead_ms: float = 0.0  # loop time outside both calls
+    draft_compute_ms: float = 0.0  # compute inside the draft service (the rest of draft_ms is the round trip)
+    verify_compute_ms: float = 0.0  # compute inside the target service
 
     def share(self, part: str) -> float:
         """Fraction of the step time spent in ``part`` ("draft", "verify" or "overhead")."""
@@ -209,6 +211,8 @@ def summary(steps: list[dict[str, Any]], stats: dict[str, Any] | None = None) ->
         s.draft_ms += float(step.get("draft_ms", 0.0))
         s.verify_ms += float(step.get("verify_ms", 0.0))
         s.overhead_ms += float(step.get("overhead_ms", 0.0))
+        s.draft_compute_ms += float(step.get("draft_compute_ms", 0.0))
+        s.verify_compute_ms += float(step.get("verify_compute_ms", 0.0))
     s.elapsed_ms = s.draft_ms + s.verify_ms + s.overhead_ms
     s.first_token_ms = step_ms(steps[0]) if steps else 0.0
     s.acceptance_rate = s.accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0
