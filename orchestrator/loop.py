@@ -251,14 +251,17 @@ async def generate(
                 k = min(controller.next_k(), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
             K_CHOSEN.observe(max(k, 0))
             # 2. Fetch the draft (a failure only costs this step its draft).
-            proposal, draft_error = None, ""
+            proposal, draft_error, draft_ms = None, "", 0.0
             if k > 0:
+                t_draft = time.perf_counter()
                 used_draft = True  # even a failed call may have created the session
                 try:
                     proposal = await call(draft.propose(session_id, seq, k, params.confidence_threshold,
                                                         params.sampling))
                     draft_health.succeeded()
                 except grpc.aio.AioRpcError as exc:
+                    # a failed call still cost its wait (up to the deadline): count it as draft time
+                    draft_ms = (time.perf_counter() - t_draft) * 1e3
                     draft_error = f"{exc.code().name}: {exc.details()}"
                     DRAFT_FALLBACKS.labels(exc.code().name.lower()).inc()
                     stats.draft_fallbacks += 1
@@ -290,7 +293,8 @@ async def generate(
             if detok.stopped:
                 finish, done = "stop", True
             # 5. Adapt k and account.
-            draft_ms = proposal.wall_ms if proposal else 0.0
+            if proposal is not None:
+                draft_ms = proposal.wall_ms
             step_ms = (time.perf_counter() - t_step) * 1e3
             controller.observe(StepObservation(
                 k=k, proposed=len(tokens), accepted=v.num_accepted, draft_ms=draft_ms, verify_ms=v.wall_ms,
