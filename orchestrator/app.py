@@ -35,7 +35,7 @@ from orchestrator.loop import (
 )
 from orchestrator.schemas import GenerateRequest, GenerateResponse, SpeculationParams, Step
 from orchestrator.settings import OrchestratorSettings
-from specdec import sampling as sm
+from specdec import params as sm
 
 logger = logging.getLogger(__name__)
 

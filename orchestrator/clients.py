@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Histogram
 
-from specdec import sampling as sm
+from specdec import params as sm
 from specdec.convert import sampling_to_pb
 from specdec.server import MAX_MESSAGE_BYTES
 from specdec.v1 import specdec_pb2 as pb

@@ -21,7 +21,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from orchestrator.clients import DraftClient, TargetClient
 from orchestrator.controller import Controller, StepObservation
-from specdec import sampling as sm
+from specdec import params as sm
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from fastapi import APIRouter, HTTPException, Request
 from sse_starlette.sse import EventSourceResponse
 
 from orchestrator.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from specdec import sampling as sm
+from specdec import params as sm
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from specdec import sampling as sm
-from specdec.engine import ModelInfo
+from specdec import params as sm
+from specdec.params import ModelInfo
 from specdec.v1 import specdec_pb2 as pb
 
 

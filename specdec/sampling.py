@@ -19,9 +19,9 @@ seeded request gives the same output whatever k schedule or retries produced it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from specdec.params import Sampling  # noqa: F401  (re-exported: sm.Sampling)
 
 # Independent random streams at one position.
 STREAM_DRAFT = 1  # the draft's own sample
@@ -29,30 +29,6 @@ STREAM_ACCEPT = 2  # the uniform draw of the acceptance test
 STREAM_TARGET = 3  # the target's sample (correction, bonus or plain decoding step)
 
 _MASK64 = (1 << 64) - 1
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling transform; ``temperature == 0`` is greedy."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def validate(self) -> None:
-        from specdec.errors import InvalidArgument
-
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
 
 
 def _mix(seed: int, position: int, stream: int) -> int:

@@ -1,0 +1,49 @@
+"""Plain parameter types shared by services and the orchestrator (no torch import here, so the
+orchestrator process stays light)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling transform; ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        from specdec.errors import InvalidArgument
+
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class ModelInfo:
+    """What a model service tells about itself (see InfoResponse in the proto)."""
+
+    model_id: str
+    architecture: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_context: int
+    dtype: str
+    device: str
+    backend: str
+    max_draft_tokens: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    sessions: int = 0
+    kv_bytes: int = 0
+    kv_budget_bytes: int = 0
