@@ -1,0 +1,416 @@
+"""``python -m evaluation.bench``: measured speedup of specdec against plain decoding and HF
+assisted generation, on the real services.
+
+Modes (``--modes`` takes names or shell patterns such as ``'sd-fixed-*'``):
+
+  hf-plain            (a) greedy ``model.generate`` of the target in this process, no services
+  hf-assisted         (b) HF assisted generation with the best assistant transformers can run here:
+                          the target's own weights with dynamic int8 quantisation (embedded default)
+                          or ``--hf-assistant`` (e.g. distilgpt2 for gpt2)
+  hf-prompt-lookup    (b) HF prompt lookup decoding (``prompt_lookup_num_tokens=10``)
+  sd-autoregressive   (c) specdec with no draft (``mode: autoregressive``) through the services
+  sd-fixed-k1 … k8    (d) specdec speculative, fixed draft length k
+  sd-acceptance, sd-hf, sd-cost   (d) specdec speculative with each adaptive controller
+  ngram-fixed-k4, ngram-cost      (e) a second draft service with the n-gram backend and its own orchestrator
+
+Runs are interleaved: for every prompt and repeat all modes run back to back, in an order rotated
+per prompt, so slow drift of the machine hits every mode alike. Every mode decodes exactly
+``--max-tokens`` greedy tokens past EOS, and its ids are compared with hf-plain's, token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from evaluation import report
+from evaluation.prompts import CATEGORIES, SUITE_VERSION, Prompt, load_suite, select, suite_digest
+from evaluation.stats import summarise
+
+logger = logging.getLogger("evaluation.bench")
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+MAX_FIXED_K = 8
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    kind: str  # "hf" (in this process) or "specdec" (through an orchestrator)
+    how: str = ""  # hf: plain | assisted | prompt_lookup
+    stack: str = "main"  # specdec: "main" (the model draft) or "ngram" (the n-gram draft service)
+    body: dict[str, Any] = field(default_factory=dict)  # specdec: request fields of /v1/generate
+
+
+def all_modes() -> list[Mode]:
+    modes = [Mode("hf-plain", "hf", "plain"), Mode("hf-assisted", "hf", "assisted"),
+             Mode("hf-prompt-lookup", "hf", "prompt_lookup"),
+             Mode("sd-autoregressive", "specdec", body={"mode": "autoregressive"})]
+    modes += [Mode(f"sd-fixed-k{k}", "specdec", body={"controller": "fixed", "k": k, "max_k": MAX_FIXED_K})
+              for k in range(1, MAX_FIXED_K + 1)]
+    modes += [Mode(f"sd-{c}", "specdec", body={"controller": c}) for c in ("acceptance", "hf", "cost")]
+    modes += [Mode("ngram-fixed-k4", "specdec", stack="ngram", body={"controller": "fixed", "k": 4}),
+              Mode("ngram-cost", "specdec", stack="ngram", body={"controller": "cost"})]
+    return modes
+
+
+ASSISTED_MODES = ("hf-assisted", "hf-prompt-lookup")
+
+
+def pick_modes(patterns: list[str] | None) -> list[Mode]:
+    """Modes matching any of ``patterns`` (names or shell patterns), in the canonical order."""
+    modes = all_modes()
+    if not patterns:
+        return modes
+    chosen = [m for m in modes if any(fnmatch.fnmatchcase(m.name, p) for p in patterns)]
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(m.name, p) for m in modes)]
+    if unmatched:
+        raise SystemExit(f"--modes: {unmatched} match no mode (modes: {', '.join(m.name for m in modes)})")
+    return chosen
+
+
+def rotation(modes: list[Any], shift: int) -> list[Any]:
+    """``modes`` rotated left by ``shift`` (the order of one prompt's runs)."""
+    if not modes:
+        return []
+    s = shift % len(modes)
+    return modes[s:] + modes[:s]
+
+
+# ---- machine description -------------------------------------------------------------------------
+
+def machine_info(threads: int) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def pkg(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        cpu = platform.processor()
+    ram_gb = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram_gb = round(int(line.split()[1]) / 1024 / 1024, 1)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "ram_gb": ram_gb, "platform": platform.platform(),
+        "python": platform.python_version(), "torch": pkg("torch"), "transformers": pkg("transformers"),
+        "llama_cpp_python": pkg("llama_cpp_python"), "threads": threads,
+        "load_average_start": list(os.getloadavg()),
+    }
+
+
+# ---- running one mode --------------------------------------------------------------------------
+
+class Harness:
+    """Holds the in-process target, the HTTP clients and the prompt ids; runs one (mode, prompt)."""
+
+    def __init__(self, generator: Any, urls: dict[str, str], max_tokens: int, threshold: float | None) -> None:
+        import httpx
+
+        self.generator, self.urls, self.max_tokens, self.threshold = generator, urls, max_tokens, threshold
+        self.http = httpx.Client(timeout=900)
+
+    def run(self, mode: Mode, prompt: Prompt, prompt_ids: list[int], max_tokens: int | None = None) -> dict[str, Any]:
+        n = max_tokens or self.max_tokens
+        if mode.kind == "hf":
+            ids, ms = self.generator.generate(prompt_ids, n, mode.how)
+            return {"tokens": len(ids), "elapsed_ms": ms, "token_ids": ids}
+        body: dict[str, Any] = {"max_tokens": n, "ignore_eos": True, "temperature": 0, **mode.body}
+        if self.threshold is not None and mode.body.get("mode") != "autoregressive":
+            body["confidence_threshold"] = self.threshold
+        if prompt.chat:
+            body["messages"] = [{"role": "user", "content": prompt.text}]
+        else:
+            body["prompt"] = prompt.text
+        t0 = time.perf_counter()
+        r = self.http.post(self.urls[mode.stack] + "/v1/generate", json=body)
+        wall = (time.perf_counter() - t0) * 1e3
+        if r.status_code != 200:
+            raise RuntimeError(f"{mode.name} on {prompt.id}: HTTP {r.status_code}: {r.text[:500]}")
+        out = r.json()
+        stats = out["stats"]
+        ks = [s["k"] for s in out["steps"]]
+        return {
+            "tokens": stats["tokens"], "elapsed_ms": stats["elapsed_ms"], "wall_ms": wall, "token_ids": out["token_ids"],
+            "stats": stats, "mean_k": sum(ks) / len(ks) if ks else None, "k_sequence": ks,
+            "prompt_tokens_server": out["prompt_tokens"], "prompt_tokens_match": out["prompt_tokens"] == len(prompt_ids),
+        }
+
+    def close(self) -> None:
+        self.http.close()
+
+
+# ---- the benchmark -------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m evaluation.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--target", default="embedded", help="target model: HF id, local folder, or 'embedded' (default)")
+    p.add_argument("--draft", default="embedded", help="draft model of the main draft service (id, folder, .gguf or 'embedded')")
+    p.add_argument("--draft-backend", default="llamacpp", choices=["llamacpp", "transformers", "ngram"],
+                   help="backend of the main draft service (default llamacpp)")
+    p.add_argument("--hf-assistant", default=None,
+                   help="assistant of hf-assisted: 'int8' (the target with dynamic int8 quantisation) or a model id/path; "
+                        "default: --draft when the draft backend is transformers, else int8")
+    p.add_argument("--prompts", type=int, default=None, help="use N prompts, taken round-robin over the categories")
+    p.add_argument("--categories", nargs="*", choices=CATEGORIES, help="only these prompt categories")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation (EOS ignored); default 128")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each (mode, prompt); default 1")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of every model (default: all cores)")
+    p.add_argument("--modes", nargs="*", help="mode names or shell patterns (default: all)")
+    p.add_argument("--confidence-threshold", type=float, default=None,
+                   help="draft confidence threshold sent with speculative requests (default: the server's)")
+    p.add_argument("--url", default=None, help="use this running orchestrator for the sd-* modes instead of starting services")
+    p.add_argument("--ngram-url", default=None, help="with --url: a running orchestrator over an n-gram draft for ngram-* modes")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default evaluation/results/<timestamp>/)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each mode")
+    p.add_argument("--report-only", type=Path, metavar="DIR",
+                   help="measure nothing: re-render results.md and the plots of DIR/results.json")
+    return p.parse_args(argv)
+
+
+def rerender(folder: Path) -> None:
+    """Plots and results.md again from ``folder/results.json`` (after changing the renderers)."""
+    results = json.loads((folder / "results.json").read_text())
+    results["summary"] = summarise(results["runs"], results["modes"], assisted=ASSISTED_MODES)
+    plots = write_plots(results, folder)
+    (folder / "results.md").write_text(render_markdown(results, plots))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "transformers", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.report_only:
+        rerender(args.report_only)
+        return 0
+    out = args.out or RESULTS_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m evaluation.bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+
+    prompts = select(load_suite(), args.prompts, args.categories)
+    modes = pick_modes(args.modes)
+    if args.url and any(m.stack == "ngram" for m in modes) and not args.ngram_url:
+        logger.warning("--url without --ngram-url: skipping the ngram-* modes")
+        modes = [m for m in modes if m.stack != "ngram"]
+    if args.draft_backend == "ngram":
+        modes = [m for m in modes if m.stack != "ngram"]  # the main stack is the n-gram one already
+    if not modes or not prompts:
+        raise SystemExit("nothing to run: no modes or no prompts selected")
+    t_start = time.perf_counter()
+    started = datetime.now().isoformat(timespec="seconds")
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from evaluation.hf import HFGenerator, encode, explain_mismatch, int8_assistant
+    from evaluation.procs import Stack
+    from specdec.models import load_hf
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    machine = machine_info(args.threads)
+    logger.info("loading target %s in this process (%d threads)", args.target, args.threads)
+    target = load_hf(args.target)
+    assistant, assistant_desc = None, ""
+    if any(m.how == "assisted" for m in modes):
+        choice = args.hf_assistant or (args.draft if args.draft_backend == "transformers" else "int8")
+        if choice == "int8":
+            assistant, assistant_desc = int8_assistant(target.model), f"{args.target} with torch dynamic int8 (Linear layers)"
+        else:
+            assistant, assistant_desc = load_hf(choice).model, choice
+        logger.info("hf-assisted assistant: %s", assistant_desc)
+    generator = HFGenerator(target.model, target.tokenizer, assistant)
+    prompt_ids = {p.id: encode(target.tokenizer, p) for p in prompts}
+
+    stack = Stack(out / "logs")
+    harness = None
+    try:
+        urls: dict[str, str] = {}
+        threads = str(args.threads)
+        if args.url:
+            urls["main"] = args.url.rstrip("/")
+            if args.ngram_url:
+                urls["ngram"] = args.ngram_url.rstrip("/")
+        elif any(m.kind == "specdec" for m in modes):
+            logger.info("starting the services (logs in %s)", stack.log_dir)
+            stack.log_dir.mkdir(parents=True, exist_ok=True)
+            tport = stack.model_service("target", "target", {"SPECDEC_TARGET_MODEL": args.target,
+                                                             "SPECDEC_TARGET_THREADS": threads})
+            dport = stack.model_service("draft", "draft", {"SPECDEC_DRAFT_MODEL": args.draft,
+                                                           "SPECDEC_DRAFT_BACKEND": args.draft_backend,
+                                                           "SPECDEC_DRAFT_THREADS": threads})
+            urls["main"] = stack.orchestrator("orchestrator", dport, tport)
+            if any(m.stack == "ngram" for m in modes):
+                nport = stack.model_service("draft-ngram", "draft", {"SPECDEC_DRAFT_BACKEND": "ngram"})
+                urls["ngram"] = stack.orchestrator("orchestrator-ngram", nport, tport)
+        harness = Harness(generator, urls, args.max_tokens, args.confidence_threshold)
+        info = {}
+        for name, url in urls.items():
+            info[name] = harness.http.get(url + "/v1/info").json()
+
+        if not args.no_warmup:
+            from tqdm import tqdm
+
+            first = prompts[0]
+            for m in tqdm(modes, desc="warm-up", unit="mode", leave=False):
+                harness.run(m, first, prompt_ids[first.id], max_tokens=8)
+
+        runs = measure(harness, modes, prompts, prompt_ids, args.repeats)
+        machine["load_average_end"] = list(os.getloadavg())
+
+        # correctness: every run against hf-plain's ids for the same prompt (computed untimed if
+        # hf-plain was not measured)
+        reference: dict[str, list[int]] = {}
+        for r in runs:
+            if r["mode"] == "hf-plain" and r["repeat"] == 0:
+                reference[r["prompt_id"]] = r["token_ids"]
+        for p in prompts:
+            if p.id not in reference:
+                reference[p.id], _ = generator.generate(prompt_ids[p.id], args.max_tokens, "plain")
+        mismatches = []
+        explained: dict[tuple[str, int, int], dict[str, Any]] = {}
+        for r in runs:
+            ref = reference[r["prompt_id"]]
+            r["identical"] = r["token_ids"] == ref
+            if not r["identical"]:
+                from evaluation.stats import first_mismatch
+
+                pos = first_mismatch(ref, r["token_ids"])
+                other = r["token_ids"][pos] if pos is not None and pos < len(r["token_ids"]) else -1
+                key = (r["prompt_id"], pos, other)
+                if key not in explained:
+                    explained[key] = explain_mismatch(target.model, target.tokenizer, prompt_ids[r["prompt_id"]],
+                                                      ref, r["token_ids"]) or {}
+                r["mismatch"] = explained[key]
+                mismatches.append({"mode": r["mode"], "prompt_id": r["prompt_id"], "repeat": r["repeat"],
+                                   **explained[key]})
+    finally:
+        if harness is not None:
+            harness.close()
+        stack.close()
+
+    summary = summarise(runs, [m.name for m in modes], assisted=ASSISTED_MODES)
+    elapsed_s = time.perf_counter() - t_start
+    results = {
+        "started": started, "duration_s": round(elapsed_s, 1), "command": command, "args": _jsonable(vars(args)),
+        "suite": {"version": SUITE_VERSION, "digest": suite_digest(), "prompts": [p.to_dict() for p in prompts]},
+        "pair": {"target": args.target, "draft": args.draft, "draft_backend": args.draft_backend,
+                 "hf_assistant": assistant_desc, "services": info},
+        "machine": machine, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "modes": [m.name for m in modes], "summary": summary, "mismatches": mismatches, "runs": runs,
+    }
+    (out / "results.json").write_text(json.dumps(_finite(results), indent=1, default=str))
+    plots = write_plots(results, out)
+    (out / "results.md").write_text(render_markdown(results, plots))
+    logger.info("done in %.0f s: %s", elapsed_s, out)
+    print(report.render_tables(summary))
+    return 0
+
+
+def measure(harness: Harness, modes: list[Mode], prompts: list[Prompt], prompt_ids: dict[str, list[int]],
+            repeats: int) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    runs: list[dict[str, Any]] = []
+    bar = tqdm(total=len(modes) * len(prompts) * repeats, desc="benchmark", unit="run")
+    try:
+        for rep in range(repeats):
+            for i, p in enumerate(prompts):
+                for m in rotation(modes, i + rep * len(prompts)):
+                    bar.set_postfix_str(f"{m.name} / {p.id}")
+                    r = harness.run(m, p, prompt_ids[p.id])
+                    runs.append({"mode": m.name, "prompt_id": p.id, "category": p.category, "repeat": rep,
+                                 "prompt_tokens": len(prompt_ids[p.id]), **r})
+                    bar.update()
+    finally:
+        bar.close()
+    return runs
+
+
+def write_plots(results: dict[str, Any], out: Path) -> dict[str, str]:
+    summary, runs = results["summary"], results["runs"]
+    pair = f"{results['pair']['target']} / {results['pair']['draft']} ({results['pair']['draft_backend']})"
+    plots: dict[str, str] = {}
+    drafting = [m for m in results["modes"] if m.startswith(("sd-", "ngram-")) and m != "sd-autoregressive"]
+    for name, path in (
+        ("speedup_vs_k", report.plot_speedup_vs_k(summary, out / "speedup_vs_k.png", f"Speedup vs k — {pair}")),
+        ("time_split", report.plot_time_split(summary, out / "time_split.png", f"Time per generated token — {pair}")),
+        ("acceptance_by_category", report.plot_acceptance_by_category(
+            runs, [m for m in drafting if m in ("sd-fixed-k1", "sd-fixed-k4", "sd-fixed-k8", "sd-acceptance", "sd-hf",
+                                                "sd-cost") or m.startswith("ngram-")],
+            CATEGORIES, out / "acceptance_by_category.png", f"Acceptance by prompt category — {pair}")),
+    ):
+        if path is not None:
+            plots[name] = path.name
+    return plots
+
+
+def render_markdown(results: dict[str, Any], plots: dict[str, str], img_prefix: str = "") -> str:
+    m = results["machine"]
+    lines = [
+        f"# Benchmark {results['started']}", "",
+        f"Command: `{results['command']}`", "",
+        f"Pair: target `{results['pair']['target']}`, draft `{results['pair']['draft']}` "
+        f"({results['pair']['draft_backend']}); hf-assisted assistant: {results['pair']['hf_assistant'] or '–'}.", "",
+        f"Prompts: {len(results['suite']['prompts'])} of suite v{results['suite']['version']} "
+        f"({results['suite']['digest']}), {results['max_tokens']} new tokens each (EOS ignored), "
+        f"{results['repeats']} repeat(s), modes interleaved. Run took {results['duration_s'] / 60:.1f} min.", "",
+        f"Machine: {m['cores']} cores, {m['cpu']}, {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
+        f"{m['transformers']}, llama-cpp-python {m['llama_cpp_python']}, Python {m['python']}; {m['threads']} threads "
+        f"per model; load average {_load(m.get('load_average_start'))} at the start, "
+        f"{_load(m.get('load_average_end'))} at the end.",
+        "", report.render_tables(results["summary"]), "### Token equality against hf-plain", "",
+        report.render_mismatches(results["mismatches"]), "",
+    ]
+    for name, file in plots.items():
+        lines += [f"![{name}]({img_prefix}{file})", ""]
+    return "\n".join(lines)
+
+
+def _load(values: list[float] | None) -> str:
+    return "/".join(f"{v:.1f}" for v in values) if values else "–"
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+
+def _finite(o: Any) -> Any:
+    """``o`` with NaN and infinities as None (strict JSON)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite(v) for v in o]
+    return o
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

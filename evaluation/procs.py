@@ -1,0 +1,126 @@
+"""Start the real services (``python -m <package>``) on free local ports and stop them again."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """One service process with its output in ``<log_dir>/<name>.log``."""
+
+    def __init__(self, name: str, module: str, env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", module], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+        )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self) -> None:
+        if not self.alive():
+            return
+        self.popen.terminate()
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def check(self) -> None:
+        if not self.alive():
+            raise RuntimeError(f"{self.name} exited:\n{self.tail()}")
+
+
+def wait_grpc(port: int, service: Service, timeout_s: float = 300) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            service.check()
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.3)
+    raise TimeoutError(f"{service.name} not serving on port {port} after {timeout_s:.0f} s:\n{service.tail()}")
+
+
+def wait_ready(url: str, service: Service, timeout_s: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        service.check()
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url}/ready not 200 after {timeout_s:.0f} s:\n{service.tail()}")
+
+
+class Stack:
+    """Model services and orchestrators started for one benchmark; ``close()`` stops them all."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.services: list[Service] = []
+
+    def model_service(self, name: str, kind: str, env: dict[str, str]) -> int:
+        """Start ``draft_service`` or ``target_service`` (kind) as ``name``; return its gRPC port."""
+        port = free_port()
+        prefix = "SPECDEC_DRAFT_" if kind == "draft" else "SPECDEC_TARGET_"
+        svc = Service(name, f"{kind}_service", {prefix + "PORT": str(port), prefix + "HOST": "127.0.0.1",
+                                                prefix + "METRICS_PORT": str(free_port()), **env}, self.log_dir)
+        self.services.append(svc)
+        logger.info("starting %s on port %d", name, port)
+        wait_grpc(port, svc)
+        return port
+
+    def orchestrator(self, name: str, draft_port: int, target_port: int, env: dict[str, str] | None = None) -> str:
+        """Start an orchestrator over the two services; return its base URL once it is ready."""
+        port = free_port()
+        svc = Service(name, "orchestrator", {
+            "SPECDEC_ORCHESTRATOR_PORT": str(port), "SPECDEC_ORCHESTRATOR_HOST": "127.0.0.1",
+            "SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS": f"127.0.0.1:{draft_port}",
+            "SPECDEC_ORCHESTRATOR_TARGET_ADDRESS": f"127.0.0.1:{target_port}", **(env or {}),
+        }, self.log_dir)
+        self.services.append(svc)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, svc)
+        return url
+
+    def check(self) -> None:
+        for svc in self.services:
+            svc.check()
+
+    def close(self) -> None:
+        for svc in reversed(self.services):
+            svc.stop()
+        self.services.clear()

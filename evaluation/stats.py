@@ -1,0 +1,160 @@
+"""Pure statistics of benchmark runs: spreads, per-mode summaries, speedups and the ideal speedup.
+
+A *run* is one generation of one prompt in one mode (a dict, as stored in results.json):
+``mode``, ``prompt_id``, ``category``, ``repeat``, ``tokens``, ``elapsed_ms`` (generation time the
+speed is computed from), ``token_ids``, and for specdec modes ``stats`` (the orchestrator's
+GenerationStats.to_dict()), ``wall_ms`` (HTTP round trip) and ``mean_k``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# Per-iteration time components of a specdec run, in the order the stacked bars draw them.
+SPLIT_PARTS = ("draft_compute", "draft_rpc", "verify_compute", "verify_rpc", "loop")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0 ≤ q ≤ 100) with linear interpolation between order statistics
+    (numpy's default); NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """median, p10, p90, min, max and n of ``values``."""
+    return {
+        "median": percentile(values, 50), "p10": percentile(values, 10), "p90": percentile(values, 90),
+        "min": min(values) if values else math.nan, "max": max(values) if values else math.nan, "n": len(values),
+    }
+
+
+def tokens_per_second(run: dict[str, Any]) -> float:
+    return run["tokens"] / (run["elapsed_ms"] / 1e3) if run["elapsed_ms"] > 0 else 0.0
+
+
+def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> int | None:
+    """Index of the first position where the two id sequences differ (a length difference counts
+    at the shorter length); None when equal."""
+    for i, (a, b) in enumerate(zip(reference, other, strict=False)):
+        if a != b:
+            return i
+    return None if len(reference) == len(other) else min(len(reference), len(other))
+
+
+def ideal_speedup(tokens_per_iteration: float, ar_verify_ms_per_token: float,
+                  draft_compute_ms_per_iteration: float, verify_compute_ms_per_iteration: float) -> float:
+    """Speedup over autoregressive decoding the loop would reach with no protocol or orchestration
+    overhead: each iteration costs only the draft's and the target's compute, and yields
+    ``tokens_per_iteration`` tokens, where plain decoding pays ``ar_verify_ms_per_token`` each.
+
+        ideal = tokens/iteration × AR verify ms/token / (draft compute + verify compute) ms/iteration
+    """
+    cost = draft_compute_ms_per_iteration + verify_compute_ms_per_iteration
+    return tokens_per_iteration * ar_verify_ms_per_token / cost if cost > 0 else math.nan
+
+
+def time_split(stats_list: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Summed specdec stats -> ms per iteration and per token of each SPLIT_PARTS component, plus
+    tokens/iteration, acceptance and mean accepted per iteration (aggregated, not averaged)."""
+    t = {"tokens": 0, "iterations": 0, "draft_tokens": 0, "accepted_tokens": 0, "draft_ms": 0.0, "verify_ms": 0.0,
+         "draft_compute_ms": 0.0, "verify_compute_ms": 0.0, "overhead_ms": 0.0, "draft_fallbacks": 0}
+    for s in stats_list:
+        for key in t:
+            t[key] += s.get(key, 0)
+    it, tok = max(t["iterations"], 1), max(t["tokens"], 1)
+    parts = {
+        "draft_compute": t["draft_compute_ms"],
+        "draft_rpc": t["draft_ms"] - t["draft_compute_ms"],
+        "verify_compute": t["verify_compute_ms"],
+        "verify_rpc": t["verify_ms"] - t["verify_compute_ms"],
+        "loop": t["overhead_ms"],
+    }
+    out: dict[str, float] = {f"{k}_ms_per_iteration": v / it for k, v in parts.items()}
+    out.update({f"{k}_ms_per_token": v / tok for k, v in parts.items()})
+    out.update({
+        "iterations": t["iterations"], "tokens": t["tokens"],
+        "tokens_per_iteration": t["tokens"] / it,
+        "acceptance_rate": t["accepted_tokens"] / t["draft_tokens"] if t["draft_tokens"] else math.nan,
+        "accepted_per_iteration": t["accepted_tokens"] / it,
+        "draft_tokens_per_iteration": t["draft_tokens"] / it,
+        "draft_fallbacks": t["draft_fallbacks"],
+    })
+    return out
+
+
+def paired_speedup(runs: list[dict[str, Any]], mode: str, baseline: str) -> dict[str, float] | None:
+    """Spread of tokens/s ratios of ``mode`` over ``baseline`` on the same prompt and repeat (the
+    runs were interleaved, so each pair saw the same machine state); None without pairs."""
+    base = {(r["prompt_id"], r["repeat"]): tokens_per_second(r) for r in runs if r["mode"] == baseline}
+    ratios = [tokens_per_second(r) / base[(r["prompt_id"], r["repeat"])]
+              for r in runs if r["mode"] == mode and base.get((r["prompt_id"], r["repeat"]), 0) > 0]
+    return spread(ratios) if ratios else None
+
+
+def summarise(runs: list[dict[str, Any]], modes: Sequence[str], plain: str = "hf-plain",
+              autoregressive: str = "sd-autoregressive", assisted: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Per-mode summary: speed spread, ms/token, acceptance, time split, ideal and achieved speedups.
+
+    ``assisted`` names the HF assisted modes; the fastest of them (median tokens/s) is the
+    "best HF assisted" baseline.
+    """
+    by_mode = {m: [r for r in runs if r["mode"] == m] for m in modes}
+    speed = {m: spread([tokens_per_second(r) for r in rs]) for m, rs in by_mode.items() if rs}
+    measured_assisted = [m for m in assisted if m in speed]
+    best_assisted = max(measured_assisted, key=lambda m: speed[m]["median"]) if measured_assisted else None
+    ar_cost = None
+    if by_mode.get(autoregressive):
+        ar = time_split(r["stats"] for r in by_mode[autoregressive])
+        ar_cost = ar["verify_compute_ms_per_iteration"]  # one token per iteration
+    out: dict[str, dict[str, Any]] = {}
+    for m, rs in by_mode.items():
+        if not rs:
+            continue
+        s: dict[str, Any] = {"mode": m, "runs": len(rs), "tokens_per_second": speed[m],
+                             "ms_per_token": spread([r["elapsed_ms"] / max(r["tokens"], 1) for r in rs]),
+                             "identical": sum(1 for r in rs if r.get("identical")), "compared": sum(
+                                 1 for r in rs if r.get("identical") is not None)}
+        if all(r.get("stats") for r in rs):
+            split = time_split(r["stats"] for r in rs)
+            s["split"] = split
+            s["mean_k"] = _mean([r["mean_k"] for r in rs if r.get("mean_k") is not None])
+            s["http_ms_per_request"] = _mean([r["wall_ms"] - r["elapsed_ms"] for r in rs if r.get("wall_ms")])
+            elapsed = sum(r["stats"]["elapsed_ms"] for r in rs)
+            compute = sum(r["stats"]["draft_compute_ms"] + r["stats"]["verify_compute_ms"] for r in rs)
+            s["compute_share"] = compute / elapsed if elapsed > 0 else None  # of the loop's wall time
+            if ar_cost is not None and split["draft_tokens_per_iteration"] > 0:
+                s["ideal_speedup"] = ideal_speedup(split["tokens_per_iteration"], ar_cost,
+                                                   split["draft_compute_ms_per_iteration"],
+                                                   split["verify_compute_ms_per_iteration"])
+        for key, base in (("vs_autoregressive", autoregressive), ("vs_plain", plain), ("vs_assisted", best_assisted)):
+            if base and base != m and base in speed:
+                s[key] = paired_speedup(runs, m, base)
+        if s.get("ideal_speedup") and s.get("vs_autoregressive"):
+            s["fraction_of_ideal"] = s["vs_autoregressive"]["median"] / s["ideal_speedup"]
+        out[m] = s
+    if best_assisted:
+        for s in out.values():
+            s["best_assisted"] = best_assisted
+    return out
+
+
+def acceptance_by_category(runs: list[dict[str, Any]], mode: str) -> dict[str, float]:
+    """Aggregated acceptance rate of ``mode`` per prompt category (categories with drafts only)."""
+    totals: dict[str, list[int]] = {}
+    for r in runs:
+        if r["mode"] == mode and r.get("stats"):
+            t = totals.setdefault(r["category"], [0, 0])
+            t[0] += r["stats"]["accepted_tokens"]
+            t[1] += r["stats"]["draft_tokens"]
+    return {c: a / p for c, (a, p) in totals.items() if p}
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,256 @@
+"""The benchmark harness's pure parts: prompt suite, statistics and ideal-speedup math, Markdown
+rendering, mode selection, and the mismatch explanation on a tiny model. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from evaluation import report
+from evaluation.bench import all_modes, pick_modes, render_markdown, rotation
+from evaluation.prompts import CATEGORIES, Prompt, load_suite, select, suite_digest
+from evaluation.stats import (
+    acceptance_by_category,
+    first_mismatch,
+    ideal_speedup,
+    paired_speedup,
+    percentile,
+    spread,
+    summarise,
+    time_split,
+)
+
+# ---- prompt suite --------------------------------------------------------------------------------
+
+def test_suite_has_at_least_30_prompts_over_all_six_categories():
+    prompts = load_suite()
+    assert len(prompts) >= 30
+    assert {p.category for p in prompts} == set(CATEGORIES)
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert any(p.chat for p in prompts) and any(not p.chat for p in prompts)
+    assert len(suite_digest()) == 12
+
+
+def test_suite_rejects_malformed_lines(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text(json.dumps({"id": "a", "category": "poetry", "chat": True, "text": "x"}) + "\n")
+    with pytest.raises(ValueError, match="unknown category"):
+        load_suite(bad)
+    bad.write_text('{"id": "a"}\n')
+    with pytest.raises(ValueError, match=":1:"):
+        load_suite(bad)
+
+
+def test_subset_is_round_robin_over_categories_and_keeps_file_order():
+    prompts = load_suite()
+    six = select(prompts, 6)
+    assert {p.category for p in six} == set(CATEGORIES)
+    assert [p.id for p in six] == [p.id for p in prompts if p in six]
+    assert {p.category for p in select(prompts, None, ["code"])} == {"code"}
+    with pytest.raises(ValueError, match="unknown categories"):
+        select(prompts, 3, ["poetry"])
+
+
+# ---- statistics -----------------------------------------------------------------------------------
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([10], 90) == 10
+    assert percentile([0, 10], 10) == pytest.approx(1.0)
+    assert math.isnan(percentile([], 50))
+    s = spread([3, 1, 2])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2, 1, 3, 3)
+
+
+def test_first_mismatch():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 9, 3]) == 1
+    assert first_mismatch([1, 2, 3], [1, 2]) == 2  # a shorter run differs where it ends
+    assert first_mismatch([], []) is None
+
+
+def test_ideal_speedup_on_hand_made_numbers():
+    # 3 tokens per iteration; plain decoding 40 ms/token; an iteration costs 20 ms draft + 60 ms verify
+    assert ideal_speedup(3.0, 40.0, 20.0, 60.0) == pytest.approx(1.5)
+    # no speculation: one token per 40 ms iteration is exactly plain decoding
+    assert ideal_speedup(1.0, 40.0, 0.0, 40.0) == pytest.approx(1.0)
+    assert math.isnan(ideal_speedup(2.0, 40.0, 0.0, 0.0))
+
+
+def _stats(tokens, iterations, draft_tokens, accepted, draft_ms, draft_c, verify_ms, verify_c, loop):
+    return {"tokens": tokens, "iterations": iterations, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "draft_ms": draft_ms, "draft_compute_ms": draft_c, "verify_ms": verify_ms, "verify_compute_ms": verify_c,
+            "overhead_ms": loop, "elapsed_ms": draft_ms + verify_ms + loop, "draft_fallbacks": 0}
+
+
+def test_time_split_aggregates_before_dividing():
+    split = time_split([_stats(30, 10, 40, 20, 250, 200, 650, 600, 10),
+                        _stats(10, 10, 0, 0, 0, 0, 420, 400, 10)])
+    assert split["tokens_per_iteration"] == pytest.approx(2.0)
+    assert split["acceptance_rate"] == pytest.approx(0.5)
+    assert split["accepted_per_iteration"] == pytest.approx(1.0)
+    assert split["draft_compute_ms_per_iteration"] == pytest.approx(10.0)
+    assert split["draft_rpc_ms_per_iteration"] == pytest.approx(2.5)
+    assert split["verify_rpc_ms_per_iteration"] == pytest.approx(3.5)
+    assert split["loop_ms_per_token"] == pytest.approx(0.5)
+
+
+def _run(mode, prompt, tokens, elapsed_ms, stats=None, identical=True, category="code"):
+    r = {"mode": mode, "prompt_id": prompt, "category": category, "repeat": 0, "tokens": tokens,
+         "elapsed_ms": elapsed_ms, "token_ids": [], "identical": identical}
+    if stats is not None:
+        r.update(stats=stats, mean_k=4.0, wall_ms=elapsed_ms + 5)
+    return r
+
+
+def test_summary_speedups_ideal_and_fraction():
+    ar = _stats(100, 100, 0, 0, 0, 0, 4200, 4000, 100)  # 40 ms compute per token
+    # 25 iterations of 4 tokens: draft 20 ms + verify 60 ms compute each -> ideal 4 * 40 / 80 = 2.0
+    sd = _stats(100, 25, 100, 75, 600, 500, 1600, 1500, 50)
+    runs = [
+        _run("hf-plain", "p1", 100, 4000), _run("hf-plain", "p2", 100, 5000),
+        _run("hf-assisted", "p1", 100, 8000, identical=False), _run("hf-assisted", "p2", 100, 8000),
+        _run("hf-prompt-lookup", "p1", 100, 3000), _run("hf-prompt-lookup", "p2", 100, 3000),
+        _run("sd-autoregressive", "p1", 100, 4300, ar), _run("sd-autoregressive", "p2", 100, 4300, ar),
+        _run("sd-fixed-k4", "p1", 100, 2150, sd), _run("sd-fixed-k4", "p2", 100, 2150, sd),
+    ]
+    s = summarise(runs, ["hf-plain", "hf-assisted", "hf-prompt-lookup", "sd-autoregressive", "sd-fixed-k4"],
+                  assisted=["hf-assisted", "hf-prompt-lookup"])
+    k4 = s["sd-fixed-k4"]
+    assert k4["tokens_per_second"]["median"] == pytest.approx(100 / 2.15)
+    assert k4["ideal_speedup"] == pytest.approx(2.0)
+    assert k4["vs_autoregressive"]["median"] == pytest.approx(2.0)
+    assert k4["fraction_of_ideal"] == pytest.approx(1.0)
+    assert k4["compute_share"] == pytest.approx(2000 / 2250)  # compute over draft + verify + loop time
+    assert k4["best_assisted"] == "hf-prompt-lookup"
+    assert k4["vs_assisted"]["median"] == pytest.approx(3000 / 2150)
+    # paired by prompt: 4000/2150 and 5000/2150, median of the two ratios
+    assert k4["vs_plain"]["median"] == pytest.approx((4000 + 5000) / 2 / 2150)
+    assert "ideal_speedup" not in s["sd-autoregressive"]  # no drafts, nothing to idealise
+    assert s["hf-assisted"]["identical"] == 1 and s["hf-assisted"]["compared"] == 2
+    assert "split" not in s["hf-plain"]
+
+
+def test_paired_speedup_needs_pairs():
+    runs = [_run("a", "p1", 10, 1000), _run("b", "p2", 10, 500)]
+    assert paired_speedup(runs, "b", "a") is None
+
+
+def test_acceptance_by_category():
+    runs = [_run("m", "p1", 10, 100, _stats(10, 5, 10, 5, 0, 0, 0, 0, 0), category="code"),
+            _run("m", "p2", 10, 100, _stats(10, 5, 10, 10, 0, 0, 0, 0, 0), category="code"),
+            _run("m", "p3", 10, 100, _stats(10, 10, 0, 0, 0, 0, 0, 0, 0), category="story")]
+    assert acceptance_by_category(runs, "m") == {"code": 0.75}
+
+
+# ---- modes ----------------------------------------------------------------------------------------
+
+def test_modes_cover_every_measurement_and_patterns_select():
+    names = [m.name for m in all_modes()]
+    assert {"hf-plain", "hf-assisted", "hf-prompt-lookup", "sd-autoregressive", "sd-acceptance", "sd-hf", "sd-cost",
+            "ngram-cost"} <= set(names)
+    assert [f"sd-fixed-k{k}" for k in range(1, 9)] == [n for n in names if n.startswith("sd-fixed-")]
+    assert [m.name for m in pick_modes(["sd-fixed-k[12]", "hf-plain"])] == ["hf-plain", "sd-fixed-k1", "sd-fixed-k2"]
+    with pytest.raises(SystemExit, match="match no mode"):
+        pick_modes(["nope"])
+
+
+def test_rotation_puts_every_mode_first_once():
+    modes = ["a", "b", "c"]
+    firsts = [rotation(modes, i)[0] for i in range(3)]
+    assert sorted(firsts) == modes
+    assert sorted(rotation(modes, 5)) == modes
+
+
+# ---- Markdown ---------------------------------------------------------------------------------------
+
+def test_markdown_table_escapes_and_aligns():
+    table = report.markdown_table([{"a": "x|y", "b": 1.5}], [("name", lambda r: r["a"]),
+                                                              ("value", lambda r: report.fmt(r["b"], 2))])
+    lines = table.splitlines()
+    assert lines[0] == "| name | value |"
+    assert lines[1] == "|---|---:|"
+    assert lines[2] == "| x\\|y | 1.50 |"
+    assert report.fmt(float("nan")) == "–" and report.fmt(None) == "–" and report.fmt(3, suffix="×") == "3×"
+
+
+def test_rendered_report_has_both_tables_and_mismatches():
+    ar = _stats(100, 100, 0, 0, 0, 0, 4200, 4000, 100)
+    sd = _stats(100, 25, 100, 75, 600, 500, 1600, 1500, 50)
+    runs = [_run("hf-plain", "p1", 100, 4000), _run("sd-autoregressive", "p1", 100, 4300, ar),
+            _run("sd-fixed-k4", "p1", 100, 2150, sd)]
+    summary = summarise(runs, ["hf-plain", "sd-autoregressive", "sd-fixed-k4"])
+    results = {
+        "started": "2026-01-01T00:00:00", "command": "python -m evaluation.bench --prompts 1", "duration_s": 60,
+        "pair": {"target": "embedded", "draft": "embedded", "draft_backend": "llamacpp", "hf_assistant": ""},
+        "suite": {"version": "1", "digest": "abc", "prompts": [{}]}, "max_tokens": 100, "repeats": 1,
+        "machine": {"cores": 2, "cpu": "cpu", "ram_gb": 24, "torch": "t", "transformers": "x", "llama_cpp_python": "l",
+                    "python": "3", "threads": 2},
+        "summary": summary,
+        "mismatches": [{"mode": "sd-fixed-k4", "prompt_id": "p1", "position": 7, "reference_token": 5,
+                        "other_token": 6, "reference_text": "a", "other_text": "b", "top2_gap": 0.001, "other_gap": 0.001}],
+    }
+    md = render_markdown(results, {"speedup_vs_k": "speedup_vs_k.png"}, img_prefix="img/")
+    assert "### Speed" in md and "### Time per iteration (ms)" in md
+    assert "| sd-fixed-k4 | 46.5 (46.5–46.5) |" in md
+    assert "2.00×" in md and "100%" in md
+    assert "| sd-fixed-k4 | p1 | 7 |" in md
+    assert "![speedup_vs_k](img/speedup_vs_k.png)" in md
+
+
+def test_plots_write_pngs(tmp_path):
+    ar = _stats(100, 100, 0, 0, 0, 0, 4200, 4000, 100)
+    sd = _stats(100, 25, 100, 75, 600, 500, 1600, 1500, 50)
+    runs = [_run("hf-plain", "p1", 100, 4000), _run("sd-autoregressive", "p1", 100, 4300, ar),
+            _run("sd-fixed-k4", "p1", 100, 2150, sd), _run("sd-cost", "p1", 100, 2000, sd)]
+    summary = summarise(runs, ["hf-plain", "sd-autoregressive", "sd-fixed-k4", "sd-cost"])
+    assert report.plot_speedup_vs_k(summary, tmp_path / "k.png").stat().st_size > 0
+    assert report.plot_time_split(summary, tmp_path / "t.png").stat().st_size > 0
+    assert report.plot_acceptance_by_category(runs, ["sd-fixed-k4", "sd-cost"], CATEGORIES,
+                                              tmp_path / "a.png").stat().st_size > 0
+
+
+# ---- mismatch explanation on a tiny model ---------------------------------------------------------------
+
+def test_explain_mismatch_on_a_tiny_model(tiny_models):
+    import torch
+
+    from evaluation.hf import HFGenerator, encode, explain_mismatch
+    from specdec.models import load_hf
+
+    loaded = load_hf(tiny_models["llama-target"])
+    prompt = Prompt("t", "story", False, "hello world")
+    ids = encode(loaded.tokenizer, prompt)
+    reference, _ = HFGenerator(loaded.model, loaded.tokenizer).generate(ids, 8)
+    assert len(reference) == 8  # past any EOS
+
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=torch.tensor([ids + reference[:3]])).logits[0, -1]
+    runner_up = int(torch.topk(logits, 2).indices[1])
+    other = reference[:3] + [runner_up] + reference[4:]
+    why = explain_mismatch(loaded.model, loaded.tokenizer, ids, reference, other)
+    assert why["position"] == 3
+    assert why["reference_token"] == reference[3] == why["top1_token"]
+    assert why["other_token"] == runner_up == why["top2_token"]
+    assert why["top2_gap"] == pytest.approx(why["other_gap"]) and why["top2_gap"] >= 0
+    assert explain_mismatch(loaded.model, loaded.tokenizer, ids, reference, list(reference)) is None
+    assert "lengths differ" in explain_mismatch(loaded.model, loaded.tokenizer, ids, reference, reference[:5])["note"]
+
+
+def test_hf_generate_ignores_eos_like_specdec(tiny_models):
+    """The baseline must decode past EOS exactly as a cache-free greedy loop does."""
+    import torch
+
+    from evaluation.hf import HFGenerator
+    from specdec.models import load_hf
+
+    loaded = load_hf(tiny_models["gpt2-target"])
+    ids = loaded.tokenizer("abc").input_ids
+    got, _ = HFGenerator(loaded.model, loaded.tokenizer).generate(ids, 12)
+    seq = list(ids)
+    with torch.inference_mode():
+        for _ in range(12):
+            seq.append(int(loaded.model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    assert got == seq[len(ids):]
