@@ -38,6 +38,7 @@ class Proposed:
     confidences: list[float]
     stop_reason: str
     distributions: list[tuple[list[int], list[float]]]
+    cached_tokens: int  # leading request tokens already in the draft's cache
     compute_ms: float
     wall_ms: float
 
@@ -94,6 +95,7 @@ class DraftClient(_Client):
             confidences=list(r.confidences),
             stop_reason=pb.DraftStopReason.Name(r.stop_reason).removeprefix("DRAFT_STOP_REASON_").lower(),
             distributions=[(list(d.token_ids), list(d.probs)) for d in r.distributions],
+            cached_tokens=r.cached_tokens,
             compute_ms=r.compute_ns / 1e6,
             wall_ms=wall * 1e3,
         )

@@ -29,6 +29,7 @@ class StepObservation:
     draft_ms: float  # wall time of Propose as the client saw it (0 when no draft)
     verify_ms: float  # wall time of Verify as the client saw it
     draft_compute_ms: float = 0.0  # server-side compute of Propose
+    draft_catch_up: int = 1  # tokens the draft processed besides its proposals (missed since its last call)
     warm: bool = True  # False for the first step, whose cost is dominated by the prompt's prefill
 
 
@@ -105,62 +106,67 @@ class AcceptanceController(Controller):
             self.k = min(max(1, math.ceil(a / (1 - a))), self.max_k)
 
 
-@dataclass
-class CostModel:
-    """Running estimates of what a step costs, in milliseconds.
+class LinearFit:
+    """Exponentially weighted least squares of y on x: y ~ a + b * x, with b >= 0."""
 
-    Verify cost is modelled as linear in the number of tokens verified (a + b * k), fitted by
-    exponentially weighted least squares; draft cost as a per-call overhead plus a per-token cost.
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.w = self.sx = self.sxx = self.sy = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w = d * self.w + 1
+        self.sx = d * self.sx + x
+        self.sxx = d * self.sxx + x * x
+        self.sy = d * self.sy + y
+        self.sxy = d * self.sxy + x * y
+
+    def predict(self, x: float, default_slope_ratio: float) -> float | None:
+        """None before any point; with a single x seen, the slope is ``default_slope_ratio`` of
+        the mean per unit of x plus one."""
+        if self.w == 0:
+            return None
+        mean_x, mean_y = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mean_x * mean_x
+        if var < 1e-6:
+            slope = default_slope_ratio * mean_y / (1 + default_slope_ratio * mean_x)
+        else:
+            slope = max((self.sxy / self.w - mean_x * mean_y) / var, 0.0)
+        return max(mean_y + slope * (x - mean_x), 0.1)
+
+
+class CostModel:
+    """Running estimates of what a step costs, in milliseconds of wall time as the client sees it.
+
+    Verify cost is linear in the number of tokens verified (a + b * k); draft cost linear in the
+    tokens proposed (a per-call round trip plus a per-token cost). Calls where the draft first had
+    to catch up on many tokens it had not seen (after plain steps) are left out of the draft fit:
+    that catch-up is a one-off, and counting it as a per-token cost would make drafting look too
+    expensive ever to resume.
     """
 
-    decay: float = 0.9
-    # weighted sums for the verify regression over (k, ms)
-    _w: float = 0.0
-    _sk: float = 0.0
-    _skk: float = 0.0
-    _sy: float = 0.0
-    _sky: float = 0.0
-    draft_per_token_ms: float | None = None
-    draft_call_ms: float = 1.0  # round trip and fixed cost of a Propose call
+    MAX_CATCH_UP = 3  # tokens a draft processes besides its own in steady state: 1-2
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.verify = LinearFit(decay)
+        self.draft = LinearFit(decay)
 
     def observe_verify(self, k: int, ms: float) -> None:
-        d = self.decay
-        self._w = d * self._w + 1
-        self._sk = d * self._sk + k
-        self._skk = d * self._skk + k * k
-        self._sy = d * self._sy + ms
-        self._sky = d * self._sky + k * ms
+        self.verify.add(k, ms)
 
-    def observe_draft(self, proposed: int, ms: float, compute_ms: float) -> None:
-        if proposed <= 0:
-            return
-        per_token = compute_ms / proposed
-        overhead = max(ms - compute_ms, 0.0)
-        if self.draft_per_token_ms is None:
-            self.draft_per_token_ms, self.draft_call_ms = per_token, overhead
-        else:
-            d = self.decay
-            self.draft_per_token_ms = d * self.draft_per_token_ms + (1 - d) * per_token
-            self.draft_call_ms = d * self.draft_call_ms + (1 - d) * overhead
+    def observe_draft(self, proposed: int, ms: float, catch_up: int = 1) -> None:
+        if proposed > 0 and catch_up <= self.MAX_CATCH_UP:
+            self.draft.add(proposed, ms)
 
     def verify_ms(self, k: int) -> float | None:
-        if self._w == 0:
-            return None
-        mean_k, mean_y = self._sk / self._w, self._sy / self._w
-        var = self._skk / self._w - mean_k * mean_k
-        if var < 1e-6:
-            # one k seen so far: assume each extra verified token costs 10 % of a step
-            slope = 0.1 * mean_y / (1 + 0.1 * mean_k)
-        else:
-            slope = max((self._sky / self._w - mean_k * mean_y) / var, 0.0)
-        return max(mean_y + slope * (k - mean_k), 0.1)
+        # until two k have been seen: each extra verified token costs 10 % of a step
+        return self.verify.predict(k, 0.1)
 
     def draft_ms(self, k: int) -> float | None:
         if k == 0:
             return 0.0
-        if self.draft_per_token_ms is None:
-            return None
-        return self.draft_call_ms + self.draft_per_token_ms * k
+        # until two draft lengths have been seen: the call itself is cheap next to its tokens
+        return self.draft.predict(k, 0.9)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -223,7 +229,7 @@ class CostController(Controller):
         if step.warm:
             self.costs.observe_verify(step.proposed, step.verify_ms)
             if step.proposed:
-                self.costs.observe_draft(step.proposed, step.draft_ms, step.draft_compute_ms or step.draft_ms)
+                self.costs.observe_draft(step.proposed, step.draft_ms, step.draft_catch_up)
         if step.proposed:
             rejected = 1 if step.accepted < step.proposed else 0
             self.successes = self.decay * self.successes + step.accepted

@@ -299,6 +299,7 @@ async def generate(
             controller.observe(StepObservation(
                 k=k, proposed=len(tokens), accepted=v.num_accepted, draft_ms=draft_ms, verify_ms=v.wall_ms,
                 draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=stats.iterations > 0,
+                draft_catch_up=len(seq) - len(new) - proposal.cached_tokens if proposal else 0,
             ))
             stats.iterations += 1
             stats.tokens += len(new)

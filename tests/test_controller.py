@@ -87,12 +87,42 @@ def test_cost_controller_probes_after_choosing_zero():
     assert 0 in picks and 1 in picks
 
 
-def test_cost_model_fits_verify_line():
+def test_cost_model_fits_verify_and_draft_lines():
     m = CostModel(decay=1.0)
     for k, ms in [(0, 30), (2, 40), (4, 50), (8, 70)]:
         m.observe_verify(k, ms)
     assert m.verify_ms(6) == pytest.approx(60, rel=1e-6)
     assert m.verify_ms(0) == pytest.approx(30, rel=1e-6)
+    for k in (2, 4, 6):
+        m.observe_draft(k, 1.0 + 10.0 * k)
+    assert m.draft_ms(3) == pytest.approx(31.0, rel=1e-6) and m.draft_ms(0) == 0.0
+
+
+def test_draft_catch_up_is_not_a_per_token_cost():
+    m = CostModel(decay=1.0)
+    m.observe_draft(4, 41.0)
+    m.observe_draft(1, 400.0, catch_up=60)  # a probe after plain steps re-reads 60 tokens
+    assert m.draft_ms(4) == pytest.approx(41.0, rel=1e-6)
+
+
+def test_cost_controller_resumes_drafting_when_probes_are_accepted():
+    """After a stretch of plain decoding, accepted probes bring speculation back even though
+    each probe's draft call first catches up on the tokens it missed."""
+    c = CostController(4, 8, probe_every=4)
+    for _ in range(10):  # drafting is cheap and accepted: the controller learns the costs
+        k = c.next_k()
+        c.observe(step(k, k, k, draft_ms=2 + 8.0 * k, verify_ms=40 + 3.0 * k))
+    for _ in range(12):  # then a stretch where nothing is accepted: it stops drafting
+        k = c.next_k()
+        c.observe(step(k, k, 0, draft_ms=2 + 8.0 * k, verify_ms=40 + 3.0 * k))
+    ks = []
+    for _ in range(40):  # text becomes predictable again; probes pay a catch-up
+        k = c.next_k()
+        ks.append(k)
+        obs = step(k, k, k, draft_ms=(2 + 8.0 * k) + (150.0 if k == 1 else 0.0), verify_ms=40 + 3.0 * k)
+        obs.draft_catch_up = 20 if k == 1 else 2
+        c.observe(obs)
+    assert ks[-1] >= 4
 
 
 def test_first_step_costs_do_not_count():
