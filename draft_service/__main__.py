@@ -7,7 +7,7 @@ import time
 
 from draft_service.settings import DraftSettings
 from specdec.runtime import configure_torch, start_metrics
-from specdec.server import configure_logging, serve_forever
+from specdec.server import ComputeThread, configure_logging, serve_forever
 
 logger = logging.getLogger("draft_service")
 
@@ -15,20 +15,26 @@ logger = logging.getLogger("draft_service")
 def main() -> None:
     settings = DraftSettings(_cli_parse_args=True)
     configure_logging(settings.log_level)
-    configure_torch(settings.threads)
+    if settings.backend == "transformers":
+        configure_torch(settings.threads)
+    else:
+        # torch only samples between llama.cpp decodes (or not at all): one sleeping thread,
+        # so the cores stay with llama.cpp's own threads.
+        configure_torch(1, passive_wait=True)
     from draft_service.backends import create_proposer
     from draft_service.servicer import build_server
 
     t0 = time.perf_counter()
+    compute = ComputeThread()  # this (main) thread loads the model and runs every forward pass
     proposer = create_proposer(settings)
-    server, port, health = build_server(proposer, settings.address, settings.workers)
+    server, port, health = build_server(proposer, settings.address, settings.workers, compute)
     start_metrics(settings.metrics_port)
     info = proposer.info()
     logger.info(
         "draft %s (%s backend, %s, vocab %d, context %d) ready on port %d in %.1f s",
         info.model_id, info.backend, info.dtype, info.vocab_size, info.max_context, port, time.perf_counter() - t0,
     )
-    serve_forever(server, health)
+    serve_forever(server, health, compute)
 
 
 if __name__ == "__main__":

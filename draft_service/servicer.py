@@ -7,7 +7,7 @@ from prometheus_client import Counter
 
 from draft_service.proposer import Proposer
 from specdec.convert import info_to_pb, sampling_from_pb
-from specdec.server import EVICTIONS, KV_BUDGET, KV_BYTES, SESSIONS, create_server, rpc
+from specdec.server import EVICTIONS, KV_BUDGET, KV_BYTES, SESSIONS, ComputeThread, create_server, rpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -17,13 +17,16 @@ STOPS = Counter("specdec_draft_stops_total", "Propose calls by why drafting stop
 
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
-    def __init__(self, proposer: Proposer) -> None:
+    def __init__(self, proposer: Proposer, compute: ComputeThread | None = None) -> None:
         self.proposer = proposer
+        # model compute runs on the compute thread when there is one (see ComputeThread)
+        self._run = compute.run if compute is not None else (lambda fn, *args: fn(*args))
         self._evictions_seen = 0
 
     @rpc(SERVICE)
     def Propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext) -> pb.ProposeResponse:
-        result = self.proposer.propose(
+        result = self._run(
+            self.proposer.propose,
             request.session_id,
             request.tokens,
             request.max_draft_tokens,
@@ -49,7 +52,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     @rpc(SERVICE)
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        released = self.proposer.release(request.session_id)
+        released = self._run(self.proposer.release, request.session_id)
         self._export_store()
         return pb.ReleaseResponse(released=released)
 
@@ -62,8 +65,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self._evictions_seen = store.evictions
 
 
-def build_server(proposer: Proposer, address: str, workers: int = 8):
+def build_server(proposer: Proposer, address: str, workers: int = 8, compute: ComputeThread | None = None):
     """(server, port, health) for ``proposer`` on ``address``; see specdec.server.create_server."""
-    servicer = DraftServicer(proposer)
+    servicer = DraftServicer(proposer, compute)
     name = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
     return create_server(lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s), [name], address, workers)

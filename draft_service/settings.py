@@ -19,6 +19,9 @@ class DraftSettings(ModelServiceSettings):
         "llamacpp", description="Draft backend: llamacpp (GGUF), transformers (any causal LM), ngram (prompt lookup)."
     )
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one).")
+    threads: int = Field(
+        0, ge=0, description="Compute threads; 0 uses all cores for transformers and one thread for llama.cpp."
+    )
     metrics_port: int | None = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
     kv_budget_mb: float = Field(256, gt=0, description="KV cache budget in MiB across sessions (LRU eviction).")
     ngram_max: int = Field(3, ge=1, description="ngram backend: longest suffix n-gram to look up.")

@@ -9,26 +9,41 @@ import sys
 logger = logging.getLogger(__name__)
 
 
-def configure_torch(threads: int) -> None:
+# OpenMP spin iterations before an idle torch thread sleeps (libgomp's default is 300,000).
+# The target and the draft alternate on the same cores: after a Verify, a long spin keeps both
+# cores busy while llama.cpp drafts. Measured through the services (embedded pair, 2 cores,
+# fixed k = 4): default spin 28.6 tok/s (draft 19 ms/token), 20,000 43.6 tok/s (draft 9.5
+# ms/token) with the target's own forward unchanged; much shorter spins slow the target's forward.
+TARGET_SPIN_COUNT = 20_000
+
+
+def configure_torch(threads: int, passive_wait: bool = False, spin_count: int | None = None) -> None:
     """Set torch's intra-op threads (0 keeps torch's default: one per core).
 
-    Also makes torch's OpenMP threads sleep instead of spin between parallel regions
-    (``OMP_WAIT_POLICY=PASSIVE`` unless the environment says otherwise). The draft (llama.cpp) and
-    target (torch) processes alternate on the same cores; a spinning OpenMP team left behind by a
-    Verify steals the cores from llama.cpp's barrier-synchronised threads, which measured Propose
-    at 1-3 s instead of ~0.1 s for 4-6 tokens. libgomp reads the variable when torch is first
-    imported, so this must run before anything imports torch.
+    ``passive_wait`` makes torch's OpenMP threads sleep instead of spin between parallel regions
+    (``OMP_WAIT_POLICY=PASSIVE``, unless the environment says otherwise). It is right for a process
+    where torch only does light work between another runtime's heavy compute — the llama.cpp draft
+    service, whose barrier-synchronised threads stalled behind spinning OpenMP threads (Propose of
+    4-6 tokens measured at 1-3 s instead of ~0.1 s). It is wrong for the target, whose own forward
+    passes it slowed from 40 to 67 ms (k = 0) and from 60 to 137 ms (k = 4) on 2 threads. libgomp
+    reads the variable when torch is first imported, so this must run before anything imports torch.
+
+    ``spin_count`` bounds the spinning instead (``GOMP_SPINCOUNT``), for a process whose own
+    forward passes need the spin but must leave the cores soon after (the target).
     """
-    if "torch" not in sys.modules:
+    if "torch" in sys.modules:
+        logger.warning("torch was imported before configure_torch; OpenMP wait settings cannot apply")
+    elif passive_wait:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    elif "OMP_WAIT_POLICY" not in os.environ:
-        logger.warning("torch was imported before configure_torch; its OpenMP threads keep spinning")
+    elif spin_count is not None:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(spin_count))
     import torch
 
     if threads > 0:
         torch.set_num_threads(threads)
-    logger.info("torch %s, %d threads, OMP_WAIT_POLICY=%s", torch.__version__, torch.get_num_threads(),
-                os.environ.get("OMP_WAIT_POLICY", "unset"))
+    logger.info("torch %s, %d threads, OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s", torch.__version__,
+                torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY", "default"),
+                os.environ.get("GOMP_SPINCOUNT", "default"))
 
 
 def start_metrics(port: int | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import signal
 import threading
 import time
@@ -93,16 +94,59 @@ def create_server(
     return server, port, health_servicer
 
 
-def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, grace_s: float = 5.0) -> None:
-    """Start ``server`` and block until SIGINT/SIGTERM, then drain for ``grace_s`` seconds."""
+class ComputeThread:
+    """Runs model compute on the thread that created it (the process's main thread).
+
+    torch forward passes issued from gRPC worker threads measured 2-2.7x slower than the same
+    calls on the thread that loaded the model (k = 0 verify: 91 ms against 34 ms, 2 threads), so
+    servicers hand compute to :meth:`run`, and the main thread executes it in :meth:`serve`. Calls
+    made on the owner thread itself (tests, tools) run inline.
+    """
+
+    def __init__(self) -> None:
+        self._owner = threading.get_ident()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if threading.get_ident() == self._owner:
+            return fn(*args)
+        done: futures.Future = futures.Future()
+        self._queue.put((fn, args, done))
+        return done.result()
+
+    def serve(self, stop: threading.Event) -> None:
+        """Execute submitted calls until ``stop`` is set (call on the owner thread)."""
+        while not stop.is_set():
+            try:
+                fn, args, done = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn(*args))
+                except BaseException as exc:  # delivered to the waiting RPC thread
+                    done.set_exception(exc)
+
+
+def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, compute: ComputeThread | None = None,
+                  grace_s: float = 5.0) -> None:
+    """Start ``server``, run ``compute`` on this thread until SIGINT/SIGTERM, then drain for
+    ``grace_s`` seconds."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
-    stop.wait()
+    if compute is not None:
+        compute.serve(stop)
+    else:
+        stop.wait()
     logger.info("shutting down (grace %.0f s)", grace_s)
     health_servicer.enter_graceful_shutdown()
-    server.stop(grace_s).wait()
+    # keep computing while in-flight calls drain
+    drained = server.stop(grace_s)
+    if compute is not None:
+        compute.serve(drained)
+    drained.wait()
 
 
 def configure_logging(level: str) -> None:

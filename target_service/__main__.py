@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
-from specdec.runtime import configure_torch, start_metrics
-from specdec.server import configure_logging, serve_forever
+from specdec.runtime import TARGET_SPIN_COUNT, configure_torch, start_metrics
+from specdec.server import ComputeThread, configure_logging, serve_forever
 from specdec.sessions import SessionStore
 from target_service.settings import TargetSettings
 
@@ -16,23 +16,24 @@ logger = logging.getLogger("target_service")
 def main() -> None:
     settings = TargetSettings(_cli_parse_args=True)
     configure_logging(settings.log_level)
-    configure_torch(settings.threads)
+    configure_torch(settings.threads, spin_count=TARGET_SPIN_COUNT)
     from specdec.models import load_hf
     from target_service.engine import TargetEngine
     from target_service.servicer import build_server
 
     t0 = time.perf_counter()
+    compute = ComputeThread()  # this (main) thread loads the model and runs every forward pass
     loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
     store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
     engine = TargetEngine(loaded, store, settings.max_draft_tokens)
-    server, port, health = build_server(engine, settings.address, settings.workers)
+    server, port, health = build_server(engine, settings.address, settings.workers, compute)
     start_metrics(settings.metrics_port)
     info = engine.info()
     logger.info(
         "target %s (%s, %s, vocab %d, context %d) ready on port %d in %.1f s",
         info.model_id, info.architecture, info.dtype, info.vocab_size, info.max_context, port, time.perf_counter() - t0,
     )
-    serve_forever(server, health)
+    serve_forever(server, health, compute)
 
 
 if __name__ == "__main__":

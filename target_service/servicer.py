@@ -8,7 +8,7 @@ import grpc
 from prometheus_client import Counter
 
 from specdec.convert import info_to_pb, sampling_from_pb
-from specdec.server import EVICTIONS, KV_BUDGET, KV_BYTES, SESSIONS, create_server, rpc
+from specdec.server import EVICTIONS, KV_BUDGET, KV_BYTES, SESSIONS, ComputeThread, create_server, rpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from target_service.engine import TargetEngine
@@ -22,13 +22,16 @@ STEPS = Counter("specdec_target_verifications_total", "Verify calls (one forward
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetEngine) -> None:
+    def __init__(self, engine: TargetEngine, compute: ComputeThread | None = None) -> None:
         self.engine = engine
+        # model compute runs on the compute thread when there is one (see ComputeThread)
+        self._run = compute.run if compute is not None else (lambda fn, *args: fn(*args))
         self._evictions_seen = 0
 
     @rpc(SERVICE)
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
-        result = self.engine.verify(
+        result = self._run(
+            self.engine.verify,
             request.session_id,
             request.tokens,
             request.draft_tokens,
@@ -55,7 +58,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     @rpc(SERVICE)
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        released = self.engine.release(request.session_id)
+        released = self._run(self.engine.release, request.session_id)
         self._export_store()
         return pb.ReleaseResponse(released=released)
 
@@ -68,8 +71,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self._evictions_seen = store.evictions
 
 
-def build_server(engine: TargetEngine, address: str, workers: int = 8):
+def build_server(engine: TargetEngine, address: str, workers: int = 8, compute: ComputeThread | None = None):
     """(server, port, health) for ``engine`` on ``address``; see specdec.server.create_server."""
-    servicer = TargetServicer(engine)
+    servicer = TargetServicer(engine, compute)
     name = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
     return create_server(lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s), [name], address, workers)
