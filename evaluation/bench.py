@@ -180,7 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--categories", nargs="*", choices=CATEGORIES, help="only these prompt categories")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per generation (EOS ignored); default 128")
     p.add_argument("--repeats", type=int, default=1, help="runs of each (mode, prompt); default 1")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads of every model (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads of every model (default: each service's own default; all cores in-process)")
     p.add_argument("--modes", nargs="*", help="mode names or shell patterns (default: all)")
     p.add_argument("--confidence-threshold", type=float, default=None,
                    help="draft confidence threshold sent with speculative requests (default: the server's)")
@@ -233,9 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.models import load_hf
 
     hf_logging.set_verbosity_error()
-    torch.set_num_threads(args.threads)
-    machine = machine_info(args.threads)
-    logger.info("loading target %s in this process (%d threads)", args.target, args.threads)
+    in_process_threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(in_process_threads)
+    machine = machine_info(in_process_threads)
+    machine["service_threads"] = args.threads or "service defaults"
+    logger.info("loading target %s in this process (%d threads)", args.target, in_process_threads)
     target = load_hf(args.target)
     assistant, assistant_desc = None, ""
     if any(m.how == "assisted" for m in modes):
@@ -252,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     harness = None
     try:
         urls: dict[str, str] = {}
-        threads = str(args.threads)
+        # without --threads the services run with their own defaults, which is what users get
+        threads = {"SPECDEC_TARGET_THREADS": str(args.threads)} if args.threads else {}
+        draft_threads = {"SPECDEC_DRAFT_THREADS": str(args.threads)} if args.threads else {}
         if args.url:
             urls["main"] = args.url.rstrip("/")
             if args.ngram_url:
@@ -260,11 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         elif any(m.kind == "specdec" for m in modes):
             logger.info("starting the services (logs in %s)", stack.log_dir)
             stack.log_dir.mkdir(parents=True, exist_ok=True)
-            tport = stack.model_service("target", "target", {"SPECDEC_TARGET_MODEL": args.target,
-                                                             "SPECDEC_TARGET_THREADS": threads})
+            tport = stack.model_service("target", "target", {"SPECDEC_TARGET_MODEL": args.target, **threads})
             dport = stack.model_service("draft", "draft", {"SPECDEC_DRAFT_MODEL": args.draft,
-                                                           "SPECDEC_DRAFT_BACKEND": args.draft_backend,
-                                                           "SPECDEC_DRAFT_THREADS": threads})
+                                                           "SPECDEC_DRAFT_BACKEND": args.draft_backend, **draft_threads})
             urls["main"] = stack.orchestrator("orchestrator", dport, tport)
             if any(m.stack == "ngram" for m in modes):
                 nport = stack.model_service("draft-ngram", "draft", {"SPECDEC_DRAFT_BACKEND": "ngram"})
@@ -383,7 +386,7 @@ def render_markdown(results: dict[str, Any], plots: dict[str, str], img_prefix: 
         f"{results['repeats']} repeat(s), modes interleaved. Run took {results['duration_s'] / 60:.1f} min.", "",
         f"Machine: {m['cores']} cores, {m['cpu']}, {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
         f"{m['transformers']}, llama-cpp-python {m['llama_cpp_python']}, Python {m['python']}; {m['threads']} threads "
-        f"per model; load average {_load(m.get('load_average_start'))} at the start, "
+        f"in-process, services: {m.get('service_threads', m['threads'])} threads; load average {_load(m.get('load_average_start'))} at the start, "
         f"{_load(m.get('load_average_end'))} at the end.",
         "", report.render_tables(results["summary"]), "### Token equality against hf-plain", "",
         report.render_mismatches(results["mismatches"]), "",
