@@ -385,8 +385,9 @@ def render_markdown(results: dict[str, Any], plots: dict[str, str], img_prefix: 
         f"({results['suite']['digest']}), {results['max_tokens']} new tokens each (EOS ignored), "
         f"{results['repeats']} repeat(s), modes interleaved. Run took {results['duration_s'] / 60:.1f} min.", "",
         f"Machine: {m['cores']} cores, {m['cpu']}, {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
-        f"{m['transformers']}, llama-cpp-python {m['llama_cpp_python']}, Python {m['python']}; {m['threads']} threads "
-        f"in-process, services: {m.get('service_threads', m['threads'])} threads; load average {_load(m.get('load_average_start'))} at the start, "
+        f"{m['transformers']}, llama-cpp-python {m['llama_cpp_python']}, Python {m['python']}; "
+        f"{m['threads']} threads in-process, services: {m.get('service_threads', m['threads'])} threads; "
+        f"load average {_load(m.get('load_average_start'))} at the start, "
         f"{_load(m.get('load_average_end'))} at the end.",
         "", report.render_tables(results["summary"]), "### Token equality against hf-plain", "",
         report.render_mismatches(results["mismatches"]), "",

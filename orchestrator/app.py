@@ -319,6 +319,11 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
     if rt.active >= s.max_concurrent_requests:
         raise HTTPException(429, detail=f"too many concurrent requests (limit {s.max_concurrent_requests})")
     name = spec.controller or s.default_controller
+    if name == "cost" and not sampling.greedy:
+        # Sampled output depends on the k schedule, and the cost controller's schedule depends on
+        # timings; the acceptance rule depends only on the (seeded) outcomes, so a seeded sampling
+        # request stays reproducible.
+        name = "acceptance"
     k = spec.k if spec.k is not None else s.default_k
     max_k = spec.max_k if spec.max_k is not None else max(s.default_max_k, k)
     if k > max_k:

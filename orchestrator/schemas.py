@@ -92,12 +92,12 @@ class GenerateResponse(BaseModel):
 
 # ---- OpenAI-compatible bodies (the fields the official client sends) --------------------------
 
-class CompletionRequest(SpeculationParams):
+class OpenAIRequest(SpeculationParams):
+    """Fields both OpenAI endpoints share, with OpenAI's defaults (temperature 1)."""
+
     model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (logprobs, user …) are ignored
 
     model: str | None = None
-    prompt: str | list[str]
-    max_tokens: int | None = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
@@ -105,6 +105,11 @@ class CompletionRequest(SpeculationParams):
     stop: list[str] | str | None = None
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=1)
 
     @field_validator("prompt")
     @classmethod
@@ -118,17 +123,7 @@ class CompletionRequest(SpeculationParams):
         return v
 
 
-class ChatCompletionRequest(SpeculationParams):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
+class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: list[str] | str | None = None
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")

@@ -14,7 +14,9 @@ rejection draw from normalize(max(0, p - q)); when all are accepted draw the bon
 output is then distributed exactly as sampling from p alone.
 
 Randomness is keyed by (seed, absolute position, stream), not drawn from a running generator, so a
-seeded request gives the same output whatever k schedule or retries produced it.
+retried call gives the same answer and a seeded request with the same k schedule the same output
+(the k schedule itself decides which draws are used, so the orchestrator keeps it timing-free
+for sampling requests).
 """
 
 from __future__ import annotations

@@ -71,17 +71,21 @@ def test_chat_messages_on_generate(embedded_stack):
     assert r["text"] and r["prompt_tokens"] > 5
 
 
-def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
-    events, event, data = [], None, []
+def iter_sse(response: httpx.Response):
+    """(event, data) pairs of a server-sent event stream, as they arrive."""
+    event, data = None, []
     for line in response.iter_lines():
         if line.startswith("event:"):
             event = line.split(":", 1)[1].strip()
         elif line.startswith("data:"):
             data.append(line.split(":", 1)[1].strip())
         elif not line and data:
-            events.append((event or "message", json.loads("\n".join(data))))
+            yield event or "message", json.loads("\n".join(data))
             event, data = None, []
-    return events
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
+    return list(iter_sse(response))
 
 
 def test_stream_reassembles_to_the_same_text(embedded_stack):
@@ -204,19 +208,11 @@ def test_draft_killed_mid_request_keeps_output(tmp_path, embedded_stack):
         plain = gen(embedded_stack["url"], mode="autoregressive", **body)
         with httpx.stream("POST", url + "/v1/generate/stream", json=body, timeout=300) as r:
             assert r.status_code == 200
-            events, killed = [], False
-            event, data = None, []
-            for line in r.iter_lines():
-                if line.startswith("event:"):
-                    event = line.split(":", 1)[1].strip()
-                elif line.startswith("data:"):
-                    data.append(line.split(":", 1)[1].strip())
-                elif not line and data:
-                    events.append((event, json.loads("\n".join(data))))
-                    event, data = None, []
-                    if len(events) == 3 and not killed:
-                        draft.kill()
-                        killed = True
+            events = []
+            for item in iter_sse(r):
+                events.append(item)
+                if len(events) == 3:
+                    draft.kill()
         done = [d for e, d in events if e == "done"][0]
         assert done["token_ids"] == plain["token_ids"]
         assert done["stats"]["draft_fallbacks"] >= 1

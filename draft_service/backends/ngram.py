@@ -58,8 +58,9 @@ class NgramProposer(Proposer):
 
     def _propose(self, session_id, tokens, k, threshold, sampling, return_distributions) -> Proposal:
         draft = find_continuation(tokens, k, self.max_ngram, self.min_ngram)
+        # No cache to fill: every request token counts as already processed (no catch-up cost).
         if not draft:
-            return Proposal([], [], StopReason.NO_CANDIDATE)
+            return Proposal([], [], StopReason.NO_CANDIDATE, cached_tokens=len(tokens))
         dists = [([t], [1.0]) for t in draft] if return_distributions else []
         reason = StopReason.MAX_TOKENS if len(draft) == k else StopReason.NO_CANDIDATE
-        return Proposal(draft, [1.0] * len(draft), reason, dists)
+        return Proposal(draft, [1.0] * len(draft), reason, dists, cached_tokens=len(tokens))
