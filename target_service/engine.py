@@ -110,8 +110,10 @@ class TargetEngine:
         k = len(draft)
         if sampling.greedy:
             num_accepted, next_token = sm.verify_greedy(logits.argmax(dim=-1).tolist(), draft)
+            # one softmax serves both the draft tokens' probabilities and the next token's
             p = torch.softmax(logits, dim=-1) if return_target_probs else None
-            next_prob = float(torch.softmax(logits[num_accepted], dim=-1)[next_token])
+            row = p[num_accepted] if p is not None else torch.softmax(logits[num_accepted], dim=-1)
+            next_prob = float(row[next_token])
         else:
             p = sm.probabilities(logits, sampling)
             if k:
