@@ -78,6 +78,12 @@ ENV VIRTUAL_ENV=/opt/venv \
     HF_HOME=/home/specdec/.cache/huggingface \
     STREAMLIT_SERVER_HEADLESS=true \
     STREAMLIT_BROWSER_GATHER_USAGE_STATS=false
+# Outside a container every process binds 127.0.0.1 by default; inside one it must listen on the
+# container's own interface to be reachable at all. What the host exposes is compose's choice.
+ENV SPECDEC_DRAFT_HOST=0.0.0.0 \
+    SPECDEC_TARGET_HOST=0.0.0.0 \
+    SPECDEC_ORCHESTRATOR_HOST=0.0.0.0 \
+    SPECDEC_UI_HOST=0.0.0.0
 COPY --from=deps /opt/venv /opt/venv
 # Read-only for the services: they find the converted model and never write there.
 COPY --from=embedded /opt/specdec/cache /opt/specdec/cache

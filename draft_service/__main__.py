@@ -23,11 +23,13 @@ def main() -> None:
         configure_torch(1, passive_wait=True)
     from draft_service.backends import create_proposer
     from draft_service.servicer import build_server
+    from specdec.auth import server_security
 
+    security = server_security(settings)  # before the slow model load: a bad secret path fails at once
     t0 = time.perf_counter()
-    compute = ComputeThread()  # this (main) thread loads the model and runs every forward pass
+    compute = ComputeThread(settings.max_queued_calls, "draft")  # this (main) thread loads the model and runs every forward pass
     proposer = create_proposer(settings)
-    server, port, health = build_server(proposer, settings.address, settings.workers, compute)
+    server, port, health = build_server(proposer, settings.address, settings.workers, compute, **security)
     start_metrics(settings.metrics_port)
     info = proposer.info()
     logger.info(

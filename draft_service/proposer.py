@@ -25,6 +25,19 @@ class StopReason(enum.Enum):
 
 
 @dataclass
+class ProposeJob:
+    """A validated Propose request, ready for the compute thread."""
+
+    session_id: str
+    tokens: list[int]  # [n] committed tokens
+    max_draft_tokens: int
+    confidence_threshold: float
+    sampling: sm.Sampling
+    return_distributions: bool
+    prepare_ns: int = 0
+
+
+@dataclass
 class Proposal:
     """Result of one Propose call."""
 
@@ -73,28 +86,48 @@ class Proposer(abc.ABC):
     ) -> Proposal:
         """Propose up to ``max_draft_tokens`` tokens after ``tokens``; stop early at the first token
         whose confidence is below ``confidence_threshold`` (that token is included)."""
+        return self.run(self.prepare(session_id, tokens, max_draft_tokens, confidence_threshold, sampling,
+                                     return_distributions))
+
+    def prepare(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        max_draft_tokens: int,
+        confidence_threshold: float = 0.0,
+        sampling: sm.Sampling = sm.Sampling(),
+        return_distributions: bool = False,
+    ) -> ProposeJob:
+        """Validate a Propose request (raises InvalidArgument) without touching the model, so a
+        malformed or oversized request never costs the compute thread any time."""
         t0 = time.perf_counter_ns()
         info = self.model_info
-        tokens = list(tokens)
         validate_session_id(session_id)
-        validate_tokens(tokens, info.vocab_size)
         validate_context(len(tokens), info.max_context, "tokens")
+        tokens = list(tokens)
+        validate_tokens(tokens, info.vocab_size)
         if not 1 <= max_draft_tokens <= self.max_draft_tokens:
             raise InvalidArgument(f"max_draft_tokens must be in [1, {self.max_draft_tokens}], got {max_draft_tokens}")
         if not 0.0 <= confidence_threshold <= 1.0:
             raise InvalidArgument(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         sampling.validate()
+        return ProposeJob(session_id, tokens, max_draft_tokens, confidence_threshold, sampling,
+                          return_distributions and not sampling.greedy, time.perf_counter_ns() - t0)
+
+    def run(self, job: ProposeJob) -> Proposal:
+        """Draft for a validated request (on the compute thread)."""
+        t0 = time.perf_counter_ns()
+        info = self.model_info
         # Leave room for the target's next token after the draft.
-        room = info.max_context - len(tokens) - 1
+        room = info.max_context - len(job.tokens) - 1
         if room <= 0:
-            return Proposal([], [], StopReason.CONTEXT_LIMIT, compute_ns=time.perf_counter_ns() - t0)
-        k = min(max_draft_tokens, room)
-        proposal = self._propose(
-            session_id, tokens, k, confidence_threshold, sampling, return_distributions and not sampling.greedy
-        )
-        if proposal.stop_reason is StopReason.MAX_TOKENS and k < max_draft_tokens:
+            return Proposal([], [], StopReason.CONTEXT_LIMIT, compute_ns=time.perf_counter_ns() - t0 + job.prepare_ns)
+        k = min(job.max_draft_tokens, room)
+        proposal = self._propose(job.session_id, job.tokens, k, job.confidence_threshold, job.sampling,
+                                 job.return_distributions)
+        if proposal.stop_reason is StopReason.MAX_TOKENS and k < job.max_draft_tokens:
             proposal.stop_reason = StopReason.CONTEXT_LIMIT
-        proposal.compute_ns = time.perf_counter_ns() - t0
+        proposal.compute_ns = time.perf_counter_ns() - t0 + job.prepare_ns
         return proposal
 
     @abc.abstractmethod

@@ -7,7 +7,7 @@ from prometheus_client import Counter
 
 from draft_service.proposer import Proposer
 from specdec.convert import info_to_pb, sampling_from_pb
-from specdec.server import EVICTIONS, KV_BUDGET, KV_BYTES, SESSIONS, ComputeThread, create_server, rpc
+from specdec.server import STORE_METRICS, ComputeThread, create_server, message_limits, rpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -20,13 +20,17 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, proposer: Proposer, compute: ComputeThread | None = None) -> None:
         self.proposer = proposer
         # model compute runs on the compute thread when there is one (see ComputeThread)
-        self._run = compute.run if compute is not None else (lambda fn, *args: fn(*args))
-        self._evictions_seen = 0
+        self._compute = compute
+
+    def _run(self, context: grpc.ServicerContext, fn, *args):
+        if self._compute is None:
+            return fn(*args)
+        return self._compute.run(fn, *args, context=context)
 
     @rpc(SERVICE)
     def Propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext) -> pb.ProposeResponse:
-        result = self._run(
-            self.proposer.propose,
+        # Validation on this RPC thread: a bad request never reaches the compute thread.
+        job = self.proposer.prepare(
             request.session_id,
             request.tokens,
             request.max_draft_tokens,
@@ -34,9 +38,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             sampling_from_pb(request.sampling),
             request.return_distributions,
         )
+        result = self._run(context, self.proposer.run, job)
         PROPOSED.inc(len(result.tokens))
         STOPS.labels(result.stop_reason.name.lower()).inc()
-        self._export_store()
         return pb.ProposeResponse(
             draft_tokens=result.tokens,
             confidences=result.confidences,
@@ -52,21 +56,17 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     @rpc(SERVICE)
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        released = self._run(self.proposer.release, request.session_id)
-        self._export_store()
+        released = self._run(context, self.proposer.release, request.session_id)
         return pb.ReleaseResponse(released=released)
 
-    def _export_store(self) -> None:
-        store = self.proposer.store
-        SESSIONS.labels(SERVICE).set(len(store))
-        KV_BYTES.labels(SERVICE).set(store.nbytes)
-        KV_BUDGET.labels(SERVICE).set(store.max_bytes)
-        EVICTIONS.labels(SERVICE).inc(store.evictions - self._evictions_seen)
-        self._evictions_seen = store.evictions
 
-
-def build_server(proposer: Proposer, address: str, workers: int = 8, compute: ComputeThread | None = None):
+def build_server(proposer: Proposer, address: str, workers: int = 8, compute: ComputeThread | None = None, *,
+                 interceptors: list[grpc.ServerInterceptor] | None = None, credentials: grpc.ServerCredentials | None = None):
     """(server, port, health) for ``proposer`` on ``address``; see specdec.server.create_server."""
     servicer = DraftServicer(proposer, compute)
+    STORE_METRICS.track(SERVICE, proposer.store)
+    info = proposer.info()
+    limits = message_limits(info.max_context, info.vocab_size, info.max_draft_tokens, receives_distributions=False)
     name = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
-    return create_server(lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s), [name], address, workers)
+    return create_server(lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s), [name], address, workers,
+                         limits, interceptors=interceptors or (), credentials=credentials)

@@ -128,11 +128,12 @@ def machine_info(threads: int) -> dict[str, Any]:
 class Harness:
     """Holds the in-process target, the HTTP clients and the prompt ids; runs one (mode, prompt)."""
 
-    def __init__(self, generator: Any, urls: dict[str, str], max_tokens: int, threshold: float | None) -> None:
+    def __init__(self, generator: Any, urls: dict[str, str], max_tokens: int, threshold: float | None,
+                 api_key: str | None = None) -> None:
         import httpx
 
         self.generator, self.urls, self.max_tokens, self.threshold = generator, urls, max_tokens, threshold
-        self.http = httpx.Client(timeout=900)
+        self.http = httpx.Client(timeout=900, headers={"authorization": f"Bearer {api_key}"} if api_key else None)
 
     def run(self, mode: Mode, prompt: Prompt, prompt_ids: list[int], max_tokens: int | None = None) -> dict[str, Any]:
         n = max_tokens or self.max_tokens
@@ -187,6 +188,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="draft confidence threshold sent with speculative requests (default: the server's)")
     p.add_argument("--url", default=None, help="use this running orchestrator for the sd-* modes instead of starting services")
     p.add_argument("--ngram-url", default=None, help="with --url: a running orchestrator over an n-gram draft for ngram-* modes")
+    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY") or None,
+                   help="API key for orchestrators that require one (default: $SPECDEC_API_KEY)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default evaluation/results/<timestamp>/)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each mode")
     p.add_argument("--report-only", type=Path, metavar="DIR",
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             if any(m.stack == "ngram" for m in modes):
                 nport = stack.model_service("draft-ngram", "draft", {"SPECDEC_DRAFT_BACKEND": "ngram"})
                 urls["ngram"] = stack.orchestrator("orchestrator-ngram", nport, tport)
-        harness = Harness(generator, urls, args.max_tokens, args.confidence_threshold)
+        harness = Harness(generator, urls, args.max_tokens, args.confidence_threshold, args.api_key)
         info = {}
         for name, url in urls.items():
             info[name] = harness.http.get(url + "/v1/info").json()

@@ -17,10 +17,12 @@ from typing import Any
 
 import grpc
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
+from orchestrator.auth import add_api_key_auth, grpc_security
 from orchestrator.clients import DraftClient, TargetClient
 from orchestrator.controller import CostModel, make_controller
 from orchestrator.loop import (
@@ -30,6 +32,7 @@ from orchestrator.loop import (
     GenerationStats,
     ModelLimits,
     StepEvent,
+    TargetBusy,
     TargetUnavailable,
     generate,
 )
@@ -55,6 +58,7 @@ class Runtime:
     draft_info: dict[str, Any] = field(default_factory=dict)
     not_ready: str = "connecting to the model services"
     active: int = 0
+    active_per_key: dict[str, int] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -85,6 +89,14 @@ async def connect(rt: Runtime) -> None:
         rt.not_ready = (
             f"draft and target tokenizers differ (draft {draft.model_id}: {draft.tokenizer_fingerprint[:12]}, "
             f"target {target.model_id}: {target.tokenizer_fingerprint[:12]}); pair models that share a tokenizer"
+        )
+        return
+    if draft is not None and draft.tokenizer_fingerprint and draft.vocab_size > target.vocab_size:
+        # Same tokenizer, but a larger embedding table could let the draft propose ids the target
+        # cannot take (each such step would be verified again without its draft).
+        rt.not_ready = (
+            f"the draft's vocabulary ({draft.model_id}: {draft.vocab_size} ids) is larger than the target's "
+            f"({target.model_id}: {target.vocab_size} ids); pair a draft whose ids the target accepts"
         )
         return
     if rt.tokenizer is None:
@@ -118,7 +130,12 @@ async def _keep_connected(rt: Runtime) -> None:
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for request bodies over ``max_bytes`` (declared or streamed)."""
+    """ASGI middleware: 413 for request bodies over ``max_bytes``, declared or streamed (chunked).
+
+    The body is read here, up to the limit, and replayed to the app: a limit hit while the app
+    itself reads would surface inside the framework's body parsing, which turns any error there
+    into a 400. Bodies are small (1 MiB by default), so buffering them costs nothing.
+    """
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -130,21 +147,32 @@ class BodyLimit:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._reject(send)
-        seen = 0
-
-        async def limited() -> dict:
-            nonlocal seen
+        if scope.get("method") in ("GET", "HEAD", "OPTIONS") and declared is None \
+                and b"chunked" not in headers.get(b"transfer-encoding", b""):
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge()
-            return message
+            if message["type"] != "http.request":  # the client went away mid-body
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._reject(send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._reject(send)
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later reads wait for the disconnect, as usual
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, send: Any) -> None:
         body = json.dumps({"detail": f"request body over {self.max_bytes} bytes"}).encode()
@@ -153,8 +181,23 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
+def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    """422 with pydantic's errors, made safe to render: an echoed input may hold a lone surrogate
+    or NaN, which the default handler fails to encode (a 500 for a client's mistake)."""
+    errors = []
+    for error in exc.errors():
+        item = {"loc": list(error.get("loc", ())), "msg": str(error.get("msg", "")), "type": str(error.get("type", ""))}
+        try:
+            json.dumps(error.get("input"), allow_nan=False)
+            text = json.dumps(error.get("input"), ensure_ascii=True)
+            if len(text) <= 256:
+                item["input"] = json.loads(text)
+        except (TypeError, ValueError):
+            pass
+        errors.append(item)
+    # ASCII-escaped JSON, sent as is (a lone surrogate in an echoed input stays escaped)
+    body = json.dumps({"detail": errors}, ensure_ascii=True, allow_nan=False)
+    return Response(body, status_code=422, media_type="application/json")
 
 
 def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
@@ -164,8 +207,8 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         rt = Runtime(
             settings=settings,
-            draft=DraftClient(settings.draft_address, settings.draft_timeout_s),
-            target=TargetClient(settings.target_address, settings.target_timeout_s),
+            draft=DraftClient(settings.draft_address, settings.draft_timeout_s, grpc_security(settings)),
+            target=TargetClient(settings.target_address, settings.target_timeout_s, grpc_security(settings)),
             draft_health=DraftHealth(settings.draft_retry_s),
         )
         app.state.rt = rt
@@ -187,6 +230,8 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    add_api_key_auth(app, settings)  # outermost: a request without a valid key is refused before its body is read
 
     from orchestrator.openai_api import router as openai_router
 
@@ -233,7 +278,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         """Generate a continuation of `prompt`; the response lists every speculative step."""
         rt: Runtime = request.app.state.rt
         run = prepare(rt, body, request_prompt(rt, body), body.max_tokens, body.stop, body.ignore_eos,
-                      sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed)))
+                      sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed)), client_key(request))
         steps, result = await collect(run, request)
         return GenerateResponse(
             text=result["text"], token_ids=result["token_ids"], prompt_tokens=run.prompt_tokens,
@@ -247,7 +292,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         rejected draft tokens, correction or bonus, text delta, timings), then one `done` event."""
         rt: Runtime = request.app.state.rt
         run = prepare(rt, body, request_prompt(rt, body), body.max_tokens, body.stop, body.ignore_eos,
-                      sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed)))
+                      sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed)), client_key(request))
         events = await start_stream(run, request)
 
         async def sse() -> AsyncIterator[dict[str, str]]:
@@ -266,7 +311,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
 
 @dataclass
 class Run:
-    """A validated generation, ready to start."""
+    """A validated generation, ready to start; it holds a concurrency slot until :meth:`release`."""
 
     rt: Runtime
     params: GenerationParams
@@ -274,6 +319,33 @@ class Run:
     k: int
     max_k: int
     prompt_tokens: int
+    key: str | None = None
+    released: bool = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.rt.active -= 1
+        if self.key is not None:
+            left = self.rt.active_per_key.get(self.key, 1) - 1
+            if left > 0:
+                self.rt.active_per_key[self.key] = left
+            else:
+                self.rt.active_per_key.pop(self.key, None)
+
+
+# How long a client told 429 should wait before retrying: about one short generation.
+RETRY_AFTER_S = 1
+
+
+def too_busy(detail: str) -> HTTPException:
+    return HTTPException(429, detail=detail, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def client_key(request: Request | None) -> str | None:
+    """Identity of the API key that authenticated the request (None without API keys)."""
+    return getattr(request.state, "api_key_id", None) if request is not None else None
 
 
 def _seed(seed: int | None) -> int:
@@ -284,13 +356,16 @@ def _seed(seed: int | None) -> int:
 def require_ready(rt: Runtime) -> None:
     if rt.tokenizer is None or rt.limits is None:
         raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
-    if rt.not_ready.startswith("draft and target tokenizers differ"):
+    if rt.not_ready.startswith(("draft and target tokenizers differ", "the draft's vocabulary")):
         raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
 
 
 def encode_prompt(rt: Runtime, prompt: str) -> list[int]:
     require_ready(rt)
-    return rt.tokenizer(prompt).input_ids
+    try:
+        return rt.tokenizer(prompt).input_ids
+    except Exception as exc:  # text the tokenizer cannot encode is the client's problem, not ours
+        raise HTTPException(400, detail=f"prompt: the tokenizer cannot encode it: {exc}") from exc
 
 
 def request_prompt(rt: Runtime, body: GenerateRequest) -> list[int]:
@@ -303,7 +378,7 @@ def request_prompt(rt: Runtime, body: GenerateRequest) -> list[int]:
 
 
 def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tokens: int | None,
-            stop: list[str] | str | None, ignore_eos: bool, sampling: sm.Sampling) -> Run:
+            stop: list[str] | str | None, ignore_eos: bool, sampling: sm.Sampling, key: str | None = None) -> Run:
     require_ready(rt)
     s = rt.settings
     limits = rt.limits
@@ -316,8 +391,6 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
     max_tokens = max_tokens if max_tokens is not None else s.default_max_tokens
     if max_tokens > s.max_tokens_limit:
         raise HTTPException(422, detail=f"max_tokens: {max_tokens} is over the limit of {s.max_tokens_limit}")
-    if rt.active >= s.max_concurrent_requests:
-        raise HTTPException(429, detail=f"too many concurrent requests (limit {s.max_concurrent_requests})")
     name = spec.controller or s.default_controller
     if name == "cost" and not sampling.greedy:
         # Sampled output depends on the k schedule, and the cost controller's schedule depends on
@@ -335,7 +408,16 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
                               else s.default_confidence_threshold),
         ignore_eos=ignore_eos,
     )
-    return Run(rt, params, name, k, max_k, len(prompt_ids))
+    # Admission last: everything above only reads, so a rejected request holds no slot.
+    if rt.active >= s.max_concurrent_requests:
+        raise too_busy(f"too many concurrent requests (limit {s.max_concurrent_requests}); retry shortly")
+    if key is not None and rt.active_per_key.get(key, 0) >= s.max_concurrent_requests_per_key:
+        raise too_busy(f"too many concurrent requests for this API key (limit {s.max_concurrent_requests_per_key}); "
+                       "retry shortly")
+    rt.active += 1
+    if key is not None:
+        rt.active_per_key[key] = rt.active_per_key.get(key, 0) + 1
+    return Run(rt, params, name, k, max_k, len(prompt_ids), key)
 
 
 async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
@@ -344,7 +426,6 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, 
     controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs)
     disconnected = request.is_disconnected if request is not None else None
     token_ids: list[int] = []
-    rt.active += 1
     try:
         async for item in generate(run.params, rt.draft, rt.target, controller, rt.limits, rt.draft_health,
                                    lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True), disconnected):
@@ -354,12 +435,14 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, 
             else:
                 finish, text, stats = item
                 yield "done", result_dict(finish, text, token_ids, stats, run)
+    except TargetBusy as exc:
+        raise too_busy(str(exc)) from exc
     except TargetUnavailable as exc:
         raise HTTPException(503, detail=str(exc)) from exc
     except BadRequest as exc:
         raise HTTPException(400, detail=str(exc)) from exc
     finally:
-        rt.active -= 1
+        run.release()
 
 
 def result_dict(finish: str, text: str, token_ids: list[int], stats: GenerationStats, run: Run) -> dict[str, Any]:

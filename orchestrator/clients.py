@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
 from prometheus_client import Histogram
 
 from specdec import params as sm
+from specdec.auth import ChannelSecurity, aio_channel
 from specdec.convert import sampling_to_pb
 from specdec.server import MAX_MESSAGE_BYTES
 from specdec.v1 import specdec_pb2 as pb
@@ -27,8 +28,18 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     # reconnect quickly once a restarted service is back
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    # Verify is idempotent (stateless protocol): a call that could not reach the target (connection
+    # refused or reset, e.g. while it restarts) is retried a few times within ~1 s before the
+    # request fails with 503. Propose is not retried: a step without a draft costs nothing.
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps({"methodConfig": [{
+        "name": [{"service": "specdec.v1.TargetService", "method": "Verify"}],
+        "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "0.4s", "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"]},
+    }]})),
 ]
 
 
@@ -57,10 +68,11 @@ class Verified:
 class _Client:
     service = ""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, security: ChannelSecurity | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        # plaintext or TLS, with the bearer token on every call when one is configured
+        self.channel = aio_channel(address, security, _CHANNEL_OPTIONS)
 
     async def info(self, timeout_s: float = 2.0) -> pb.InfoResponse:
         return await self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
@@ -76,8 +88,8 @@ class _Client:
 class DraftClient(_Client):
     service = "draft"
 
-    def __init__(self, address: str, timeout_s: float) -> None:
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float, security: ChannelSecurity | None = None) -> None:
+        super().__init__(address, timeout_s, security)
         self.stub = pb_grpc.DraftServiceStub(self.channel)
 
     async def propose(self, session_id: str, tokens: Sequence[int], k: int, threshold: float,
@@ -104,8 +116,8 @@ class DraftClient(_Client):
 class TargetClient(_Client):
     service = "target"
 
-    def __init__(self, address: str, timeout_s: float) -> None:
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float, security: ChannelSecurity | None = None) -> None:
+        super().__init__(address, timeout_s, security)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
 
     async def verify(self, session_id: str, tokens: Sequence[int], draft: Sequence[int], sampling: sm.Sampling,

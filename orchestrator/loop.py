@@ -48,8 +48,17 @@ class TargetUnavailable(Exception):
     """The target service cannot serve: the request fails with 503 and this reason."""
 
 
+class TargetBusy(TargetUnavailable):
+    """The target has no room right now (RESOURCE_EXHAUSTED: queue or KV budget full): HTTP 429."""
+
+
 class BadRequest(Exception):
     """The target rejected the request's input (INVALID_ARGUMENT): HTTP 400 with this reason."""
+
+
+# Release calls still running after their request ended; the event loop keeps only weak
+# references to tasks, so an unreferenced one could be collected before it runs.
+_BACKGROUND: set[asyncio.Task] = set()
 
 
 @dataclass
@@ -267,16 +276,32 @@ async def generate(
                     stats.draft_fallbacks += 1
                     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         draft_ok_for_request = False  # this input will not suit the draft; the service is fine
-                    else:
+                    elif exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is not down: skip this step only
                         draft_health.failed(draft_error)
             tokens = proposal.tokens if proposal else []
             # 3. Verify in one target pass.
             try:
-                v = await call(target.verify(session_id, seq, tokens, params.sampling,
-                                             proposal.distributions if proposal else ()))
+                try:
+                    v = await call(target.verify(session_id, seq, tokens, params.sampling,
+                                                 proposal.distributions if proposal else ()))
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not tokens:
+                        raise
+                    # The draft's output, not the user's input, was refused (say, ids outside the
+                    # target's vocabulary): verify this step without it, and stop drafting for this request.
+                    logger.warning("target refused the draft (%s); continuing without drafts", exc.details())
+                    draft_error = f"target refused the draft: {exc.details()}"
+                    DRAFT_FALLBACKS.labels("refused_by_target").inc()
+                    stats.draft_fallbacks += 1
+                    draft_ok_for_request = False
+                    draft_ms = proposal.wall_ms if proposal else draft_ms
+                    proposal, tokens = None, []
+                    v = await call(target.verify(session_id, seq, tokens, params.sampling))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise BadRequest(exc.details()) from exc
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise TargetBusy(f"target service is busy: {exc.details()}") from exc
                 raise TargetUnavailable(f"target service: {exc.code().name}: {exc.details()}") from exc
             # 4. Accept: the accepted draft prefix, then the target's own token.
             new = tokens[: v.num_accepted] + [v.next_token]
@@ -341,7 +366,9 @@ async def generate(
         ACTIVE.dec()
         # Free both caches now, even when cancelled; never let cleanup fail the request.
         clients = [target] + ([draft] if used_draft else [])
-        asyncio.get_running_loop().create_task(_release(clients, session_id, inflight))
+        task = asyncio.get_running_loop().create_task(_release(clients, session_id, inflight))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
 
 
 def _cut_at_stop(text: str, stop: list[str]) -> str:

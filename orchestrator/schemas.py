@@ -2,18 +2,56 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.settings import ControllerName
+
+# Bounds of what the wire protocol carries (SamplingParams.top_k is uint32, seed uint64 — kept
+# below 2**63 so it also fits signed consumers).
+MAX_TOP_K = (1 << 32) - 1
+MAX_SEED = 1 << 63
+
+
+def valid_text(value: str) -> str:
+    """Reject strings that are not Unicode text: JSON may carry a lone surrogate (``"\\udcff"``),
+    which no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds a lone surrogate at position {exc.start}, which is not valid Unicode text") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(valid_text)]
+
+
+def stop_list(v: list[str] | str | None) -> list[str]:
+    """Stop strings as a list: at most 8, each 1..64 characters (each is searched for on every step)."""
+    stops = [v] if isinstance(v, str) else list(v or [])
+    if len(stops) > 8 or any(not s or len(s) > 64 for s in stops):
+        raise ValueError("stop takes at most 8 non-empty strings of at most 64 characters")
+    return stops
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(v, list):
+            for part in v:
+                text = part.get("text")
+                if part.get("type") == "text" and not isinstance(text, str):
+                    raise ValueError("a text part needs a string 'text'")
+                if isinstance(text, str):
+                    valid_text(text)
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -38,29 +76,23 @@ class SpeculationParams(BaseModel):
 class SamplingFields(BaseModel):
     temperature: float = Field(0.0, ge=0, le=10, description="0 is greedy decoding.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
-    seed: int | None = Field(None, ge=0, lt=2**63, description="Makes sampling reproducible.")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="Keep the k most likely tokens (0: all).")
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED, description="Makes sampling reproducible.")
 
 
 class GenerateRequest(SpeculationParams, SamplingFields):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | None = Field(None, min_length=1, description="Text to continue (no chat template applied).")
+    prompt: Text | None = Field(None, min_length=1, description="Text to continue (no chat template applied).")
     messages: list[ChatMessage] | None = Field(
         None, min_length=1, description="A conversation, formatted with the tokenizer's chat template (instead of prompt)."
     )
     max_tokens: int | None = Field(None, ge=1, description="New tokens to generate at most.")
-    stop: list[str] | str | None = Field(None, description="Stop when any of these strings is generated.")
+    stop: list[Text] | Text | None = Field(None, description="Stop when any of these strings is generated.")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens.")
     include_steps: bool = Field(True, description="Include per-step details in the response.")
 
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: list[str] | str | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 8 or any(not s or len(s) > 64 for s in stops):
-            raise ValueError("stop takes at most 8 non-empty strings of at most 64 characters")
-        return stops
+    _stops = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> GenerateRequest:
@@ -100,15 +132,17 @@ class OpenAIRequest(SpeculationParams):
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: list[str] | str | None = None
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    stop: list[Text] | Text | None = None
     stream: bool = False
+
+    _stops = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
     n: int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
     max_tokens: int | None = Field(16, ge=1)
 
     @field_validator("prompt")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ControllerName = Literal["fixed", "acceptance", "hf", "cost"]
@@ -15,7 +16,7 @@ class OrchestratorSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPECDEC_ORCHESTRATOR_", cli_prog_name="python -m orchestrator")
 
-    host: str = Field("0.0.0.0", description="Interface to bind.")
+    host: str = Field("127.0.0.1", description="Interface to bind (0.0.0.0: every interface, as in the containers).")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
     draft_address: str = Field("localhost:50051", description="host:port of the draft service.")
     target_address: str = Field("localhost:50052", description="host:port of the target service.")
@@ -35,5 +36,38 @@ class OrchestratorSettings(BaseSettings):
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get HTTP 413.")
     max_concurrent_requests: int = Field(64, ge=1, description="More concurrent generations get HTTP 429.")
+    max_concurrent_requests_per_key: int = Field(
+        16, ge=1, description="More concurrent generations under one API key get HTTP 429 (with API keys set)."
+    )
     model_name: str | None = Field(None, description="Model name reported by /v1/models; default: the target's model id.")
     log_level: str = Field("INFO", description="Python logging level.")
+    # A comma-separated string, not a list: pydantic-settings would otherwise expect JSON in the variable.
+    api_keys: SecretStr | None = Field(
+        None, description="Comma-separated API keys; when any is set, every route but /health and /ready needs "
+                          "`Authorization: Bearer <key>` (docs/security.md)."
+    )
+    api_keys_file: Path | None = Field(
+        None, description="File with one API key per line (blank lines and # comments ignored); merged with api_keys."
+    )
+    grpc_token: SecretStr | None = Field(None, description="Bearer token sent to both model services (their auth_token).")
+    grpc_token_file: Path | None = Field(None, description="File holding grpc_token (a mounted secret); use one of the two.")
+    grpc_tls_ca_file: Path | None = Field(
+        None, description="PEM CA bundle: reach the model services over TLS and verify their certificates with it."
+    )
+    grpc_tls_cert_file: Path | None = Field(
+        None, description="PEM client certificate for services that require one (mutual TLS); needs grpc_tls_ca_file."
+    )
+    grpc_tls_key_file: Path | None = Field(None, description="PEM private key of grpc_tls_cert_file.")
+    grpc_tls_server_name: str | None = Field(
+        None, description="Name to expect in the services' certificates instead of the host of their address."
+    )
+
+    @model_validator(mode="after")
+    def _check_security(self):
+        if (self.grpc_tls_cert_file is None) != (self.grpc_tls_key_file is None):
+            raise ValueError("grpc_tls_cert_file and grpc_tls_key_file go together: set both, or neither")
+        if self.grpc_tls_cert_file is not None and self.grpc_tls_ca_file is None:
+            raise ValueError("grpc_tls_cert_file (mutual TLS) needs grpc_tls_ca_file")
+        if self.grpc_token is not None and self.grpc_token.get_secret_value().strip() and self.grpc_token_file is not None:
+            raise ValueError("set grpc_token or grpc_token_file, not both")
+        return self

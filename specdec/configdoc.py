@@ -49,6 +49,10 @@ OTHER_VARIABLES: tuple[tuple[str, str], ...] = (
                           "else `~/.cache/specdec`."),
     ("HF_HOME", "Hugging Face cache of downloaded models and tokenizers (default `~/.cache/huggingface`)."),
     ("HF_HUB_OFFLINE", "`1` loads hub ids from `HF_HOME` only, never from the network."),
+    ("SPECDEC_HEALTHCHECK_TLS_CA_FILE", "`python -m specdec.healthcheck` (the container health check): check a model "
+                                        "service over TLS, trusting this PEM CA. With `…_TLS_CERT_FILE` and "
+                                        "`…_TLS_KEY_FILE` for mutual TLS, `…_TLS_SERVER_NAME` for the name in the "
+                                        "service's certificate (docs/security.md)."),
     ("SPECDEC_LLAMACPP_AVX512", "`off` builds llama-cpp-python without AVX-512 in `scripts/install_llamacpp.sh` "
                                 "(portable AVX2 build); default `auto` uses it where the CPU has it."),
 )
@@ -93,7 +97,7 @@ def describe_type(annotation: object) -> str:
         inner = " or ".join(describe_type(a) for a in args)
         return f"{inner} or unset" if len(args) < len(typing.get_args(annotation)) else inner
     if isinstance(annotation, type):
-        return {"str": "text", "Path": "path"}.get(annotation.__name__, annotation.__name__)
+        return {"str": "text", "Path": "path", "SecretStr": "secret text"}.get(annotation.__name__, annotation.__name__)
     return str(annotation)
 
 

@@ -42,10 +42,15 @@ def validate_context(length: int, max_context: int, what: str) -> None:
         raise InvalidArgument(f"{what} is {length} tokens, over the model's maximum context of {max_context}")
 
 
-def eos_ids(config: Any, tokenizer: Any | None = None) -> list[int]:
-    """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+def eos_ids(config: Any, tokenizer: Any | None = None, generation_config: Any | None = None) -> list[int]:
+    """End-of-sequence ids from the generation config, the model config and the tokenizer.
+
+    Chat models often name their end-of-turn token only in ``generation_config.json`` (a list of
+    ids), so a generation that ignored it would run past the end of the answer.
+    """
     ids: set[int] = set()
-    for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    for source in (getattr(generation_config, "eos_token_id", None), getattr(config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):
@@ -139,10 +144,17 @@ class CachedCausalLM:
         self.store = store
         self.lock = threading.Lock()
         self.vocab_size = int(model.config.vocab_size)
-        self.max_context = max_context_of(model.config)
         self.device = next(model.parameters()).device
         self._fast = _FastLinears.of(model)
         self.bytes_per_token = self._measure_bytes_per_token()
+        self.model_max_context = max_context_of(model.config)
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence a session may hold: the model's context, or fewer tokens when the KV
+        budget holds fewer, so clients learn up front that a longer sequence is their input's
+        problem (INVALID_ARGUMENT, HTTP 400), not a server fault."""
+        return max(2, min(self.model_max_context, self.store.max_bytes // self.bytes_per_token))
 
     def _measure_bytes_per_token(self) -> int:
         """Run one token through the model (also warms it up) and read the cache size."""
@@ -163,22 +175,30 @@ class CachedCausalLM:
         full = tokens + list(extra)
         # At least the last committed token is recomputed: its logits are needed.
         cached = min(common_prefix_len(session.tokens, tokens), len(tokens) - 1)
+        # Room first: a refusal here leaves the session exactly as it was.
+        self.store.reserve(session, len(full) * self.bytes_per_token - session.nbytes)
         cache = session.cache
-        if cache is not None:
-            held = cache.get_seq_length()
-            if cached == 0:
-                cache = None
-            elif held > cached:
-                cache.crop(cached - held)
-        new = full[cached:]
-        self.store.reserve(session, (len(full) - len(session.tokens)) * self.bytes_per_token)
-        with torch.inference_mode(), self._fast.active():
-            out = self.model(
-                input_ids=torch.tensor([new], dtype=torch.long, device=self.device),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=len(extra) + 1,
-            )
+        try:
+            if cache is not None:
+                held = cache.get_seq_length()
+                if cached == 0:
+                    cache = None
+                elif held > cached:
+                    cache.crop(cached - held)
+            new = full[cached:]
+            with torch.inference_mode(), self._fast.active():
+                out = self.model(
+                    input_ids=torch.tensor([new], dtype=torch.long, device=self.device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=len(extra) + 1,
+                )
+        except BaseException:
+            # The cache may have been cropped or half-extended: it no longer matches
+            # session.tokens, and reusing it would give silently wrong logits. Start afresh.
+            session.cache = None
+            self.store.reset(session)
+            raise
         session.cache = out.past_key_values
         self.store.update(session, full, len(full) * self.bytes_per_token)
         return out.logits[0].float(), cached

@@ -30,3 +30,15 @@ class NotFound(SpecdecError):
     """A named thing (model file, session) does not exist."""
 
     code = "NOT_FOUND"
+
+
+class Cancelled(SpecdecError):
+    """The caller went away (deadline passed, client cancelled) before the work ran."""
+
+    code = "CANCELLED"
+
+
+class Unavailable(SpecdecError):
+    """The service cannot take the call now (shutting down); another replica or a retry may."""
+
+    code = "UNAVAILABLE"

@@ -3,12 +3,17 @@ orchestrator process stays light)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this decode greedily (as vLLM does): dividing logits by 1e-40 overflows to
+# inf, the softmax gives NaN, and sampling would fail, while such a temperature means argmax anyway.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling transform; ``temperature == 0`` is greedy."""
+    """Sampling transform; ``temperature < SAMPLING_EPS`` (0 in particular) is greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -17,13 +22,13 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < SAMPLING_EPS
 
     def validate(self) -> None:
         from specdec.errors import InvalidArgument
 
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):  # also rejects NaN
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 <= self.top_p <= 1.0:
             raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:

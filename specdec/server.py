@@ -9,6 +9,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from typing import Any
@@ -16,9 +17,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specdec.errors import SpecdecError
+from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +30,64 @@ RPC_LATENCY = Histogram(
     ["service", "method", "code"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
 )
-SESSIONS = Gauge("specdec_sessions", "Sessions held in the KV cache store.", ["service"])
-KV_BYTES = Gauge("specdec_kv_bytes", "Bytes of KV cache held across sessions.", ["service"])
-KV_BUDGET = Gauge("specdec_kv_budget_bytes", "KV cache budget in bytes.", ["service"])
-EVICTIONS = Counter("specdec_session_evictions_total", "Sessions evicted to respect the KV budget.", ["service"])
+COMPUTE_QUEUE = Histogram(
+    "specdec_compute_queue_seconds",
+    "Time a call waited for the compute thread.",
+    ["service"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+)
 
-# Large enough for sparse draft distributions over a full vocabulary at k = 32.
+
+class StoreMetrics:
+    """Prometheus collector of the session stores' size, read at scrape time.
+
+    Reading at scrape time (instead of setting gauges after each RPC) means metrics code never
+    runs on an RPC's path, so it can never fail one. One instance per process, registered once.
+    """
+
+    def __init__(self) -> None:
+        self._stores: dict[str, Any] = {}
+
+    def track(self, service: str, store: Any) -> None:
+        self._stores[service] = store
+
+    def collect(self) -> Iterable[Any]:
+        sessions = GaugeMetricFamily("specdec_sessions", "Sessions held in the KV cache store.", labels=["service"])
+        held = GaugeMetricFamily("specdec_kv_bytes", "Bytes of KV cache held across sessions.", labels=["service"])
+        budget = GaugeMetricFamily("specdec_kv_budget_bytes", "KV cache budget in bytes.", labels=["service"])
+        evictions = CounterMetricFamily("specdec_session_evictions", "Sessions evicted to respect the KV budget.",
+                                        labels=["service"])
+        for service, store in list(self._stores.items()):
+            sessions.add_metric([service], len(store))
+            held.add_metric([service], store.nbytes)
+            budget.add_metric([service], store.max_bytes)
+            evictions.add_metric([service], store.evictions)
+        yield from (sessions, held, budget, evictions)
+
+
+STORE_METRICS = StoreMetrics()
+REGISTRY.register(STORE_METRICS)
+
+# Client-side cap (the orchestrator's channels); each server derives its own limits from its model
+# (see message_limits).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Room for the fixed fields of a request or response beyond its token lists.
+_MESSAGE_SLACK = 64 * 1024
+
+
+def message_limits(max_context: int, vocab_size: int, max_draft_tokens: int, receives_distributions: bool
+                   ) -> tuple[int, int]:
+    """(max receive, max send) message bytes for a model service.
+
+    A token id is a uint32 varint (at most 5 bytes); a sparse distribution entry is an id plus a
+    float (at most 9 bytes), at most ``vocab_size`` entries per draft position. The target receives
+    distributions and sends a few numbers; the draft receives tokens and sends distributions.
+    """
+    tokens = 5 * (max_context + max_draft_tokens)
+    distributions = max_draft_tokens * (9 * vocab_size + 16)
+    if receives_distributions:
+        return tokens + distributions + _MESSAGE_SLACK, 10 * max_draft_tokens + _MESSAGE_SLACK
+    return tokens + _MESSAGE_SLACK, distributions + 10 * max_draft_tokens + _MESSAGE_SLACK
 
 
 def rpc(service: str) -> Callable:
@@ -52,9 +105,10 @@ def rpc(service: str) -> Callable:
                 return method(self, request, context)
             except SpecdecError as exc:
                 code, message = exc.code, str(exc)
-            except Exception as exc:  # keep serving; the client learns it was our fault
-                logger.exception("%s.%s failed", service, name)
-                code, message = "INTERNAL", f"internal error: {type(exc).__name__}: {exc}"
+            except Exception:  # keep serving; the client learns it was our fault, not the details
+                error_id = uuid.uuid4().hex[:12]
+                logger.exception("%s.%s failed (error id %s)", service, name, error_id)
+                code, message = "INTERNAL", f"internal error (id {error_id}; details in the server log)"
             finally:
                 RPC_LATENCY.labels(service, name, code).observe(time.perf_counter() - t0)
             context.abort(grpc.StatusCode[code], message)
@@ -69,17 +123,27 @@ def create_server(
     service_names: Iterable[str],
     address: str,
     max_workers: int = 8,
+    message_limits: tuple[int, int] = (MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES),
+    *,
+    interceptors: Iterable[grpc.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build a server with the servicer(s) ``register`` adds, grpc.health.v1 and reflection.
 
+    ``message_limits`` is (max receive, max send) bytes: a larger request is refused with
+    RESOURCE_EXHAUSTED before it is even parsed. RPCs beyond twice ``max_workers`` in flight are
+    refused the same way instead of queueing without bound. ``interceptors`` run before every
+    RPC (specdec.auth.TokenAuth); with ``credentials`` the port serves TLS instead of plaintext.
     Returns (server, bound port, health servicer); ``address`` may use port 0. Not started.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", message_limits[0]),
+            ("grpc.max_send_message_length", message_limits[1]),
         ],
+        maximum_concurrent_rpcs=2 * max_workers,
+        interceptors=list(interceptors),
     )
     register(server)
     health_servicer = health.HealthServicer()
@@ -88,7 +152,7 @@ def create_server(
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     return server, port, health_servicer
@@ -101,31 +165,76 @@ class ComputeThread:
     calls on the thread that loaded the model (k = 0 verify: 91 ms against 34 ms, 2 threads), so
     servicers hand compute to :meth:`run`, and the main thread executes it in :meth:`serve`. Calls
     made on the owner thread itself (tests, tools) run inline.
+
+    At most ``max_queued`` calls wait or run at once; more get RESOURCE_EXHAUSTED at once, so a
+    flood never occupies every RPC worker (health and Info keep answering) and never builds an
+    unbounded backlog. A call whose RPC ends (deadline passed, client gone, server stopping) before
+    its turn is dropped unrun. :meth:`close` fails whatever is still queued, so shutdown never
+    leaves an RPC thread waiting forever.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_queued: int = 32, service: str = "") -> None:
         self._owner = threading.get_ident()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._slots = threading.Semaphore(max_queued)
+        self.max_queued = max_queued
+        self._service = service
+        self._closed = False
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def run(self, fn: Callable[..., Any], *args: Any, context: grpc.ServicerContext | None = None) -> Any:
+        """Run ``fn(*args)`` on the compute thread and return its result (raising its exception).
+
+        Raises ResourceExhausted when ``max_queued`` calls are already waiting, Unavailable when
+        the thread has stopped, Cancelled when ``context``'s RPC ended before the call ran.
+        """
         if threading.get_ident() == self._owner:
             return fn(*args)
-        done: futures.Future = futures.Future()
-        self._queue.put((fn, args, done))
-        return done.result()
+        if self._closed:
+            raise Unavailable("the service is shutting down")
+        if not self._slots.acquire(blocking=False):
+            raise ResourceExhausted(f"{self.max_queued} calls are already waiting for the model; retry shortly")
+        try:
+            done: futures.Future = futures.Future()
+            self._queue.put((fn, args, done, time.perf_counter()))
+            if context is not None and not context.add_callback(done.cancel):
+                done.cancel()  # the RPC had already ended
+            if self._closed:  # closed between the check above and the put: nobody will serve it
+                self._fail(done)
+            try:
+                return done.result()
+            except futures.CancelledError:
+                raise Cancelled("the call ended (deadline passed or client went away) before the model ran it") from None
+        finally:
+            self._slots.release()
 
     def serve(self, stop: threading.Event) -> None:
         """Execute submitted calls until ``stop`` is set (call on the owner thread)."""
         while not stop.is_set():
             try:
-                fn, args, done = self._queue.get(timeout=0.1)
+                fn, args, done, queued_at = self._queue.get(timeout=0.1)
             except queue.Empty:
                 continue
             if done.set_running_or_notify_cancel():
+                COMPUTE_QUEUE.labels(self._service).observe(time.perf_counter() - queued_at)
                 try:
                     done.set_result(fn(*args))
                 except BaseException as exc:  # delivered to the waiting RPC thread
                     done.set_exception(exc)
+
+    def close(self) -> None:
+        """Stop accepting calls and fail every queued one with UNAVAILABLE."""
+        self._closed = True
+        while True:
+            try:
+                _, _, done, _ = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._fail(done)
+
+    @staticmethod
+    def _fail(done: futures.Future) -> None:
+        if done.set_running_or_notify_cancel():
+            done.set_exception(Unavailable("the service is shutting down"))
 
 
 def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, compute: ComputeThread | None = None,
@@ -146,6 +255,7 @@ def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, c
     drained = server.stop(grace_s)
     if compute is not None:
         compute.serve(drained)
+        compute.close()
     drained.wait()
 
 

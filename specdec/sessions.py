@@ -69,6 +69,9 @@ class SessionStore:
         self._on_evict = on_evict
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.RLock()
+        # A running total, so readers on other threads (metrics, Info) never iterate the map
+        # while the compute thread reorders or evicts sessions.
+        self._nbytes = 0
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -79,7 +82,8 @@ class SessionStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._sessions.values())
+        """Bytes held across sessions (safe to read from any thread)."""
+        return self._nbytes
 
     def get_or_create(self, session_id: str, factory: Callable[[], Any]) -> Session:
         """Return the session (marked most recently used), creating it with ``factory()``."""
@@ -107,7 +111,7 @@ class SessionStore:
                 raise ResourceExhausted(
                     f"session needs {needed} bytes of KV cache, over the budget of {self.max_bytes} bytes"
                 )
-            while self.nbytes + extra_bytes > self.max_bytes:
+            while self._nbytes + extra_bytes > self.max_bytes:
                 if not self._evict_lru(keep=session.session_id):
                     raise ResourceExhausted(
                         f"KV budget of {self.max_bytes} bytes is full and no other session can be evicted"
@@ -116,25 +120,29 @@ class SessionStore:
     def update(self, session: Session, tokens: list[int], nbytes: int) -> None:
         """Record what the session's cache now holds."""
         with self._lock:
+            if self._sessions.get(session.session_id) is session:
+                self._nbytes += nbytes - session.nbytes
             session.tokens = tokens
             session.nbytes = nbytes
             session.last_used = time.monotonic()
 
+    def reset(self, session: Session) -> None:
+        """Forget what a session's cache holds (after a failed forward its contents are unknown);
+        the next call on it re-prefills."""
+        self.update(session, [], 0)
+
     def release(self, session_id: str) -> bool:
         """Drop a session now; False when it was not held."""
         with self._lock:
-            session = self._sessions.pop(session_id, None)
-        if session is None:
-            return False
-        self._dispose(session)
-        return True
+            if session_id not in self._sessions:
+                return False
+            self._remove(session_id)
+            return True
 
     def clear(self) -> None:
         with self._lock:
-            sessions = list(self._sessions.values())
-            self._sessions.clear()
-        for session in sessions:
-            self._dispose(session)
+            for sid in list(self._sessions):
+                self._remove(sid)
 
     def _expire(self) -> None:
         if self.ttl_s <= 0:
@@ -142,18 +150,21 @@ class SessionStore:
         cutoff = time.monotonic() - self.ttl_s
         for sid in [sid for sid, s in self._sessions.items() if s.last_used < cutoff]:
             logger.info("session %s idle for more than %.0f s, dropped", sid, self.ttl_s)
-            self._dispose(self._sessions.pop(sid))
+            self._remove(sid)
 
     def _evict_lru(self, keep: str | None) -> bool:
         for sid in self._sessions:
             if sid != keep:
                 logger.info("evicting session %s (LRU)", sid)
-                self._dispose(self._sessions.pop(sid))
+                self._remove(sid)
                 self.evictions += 1
                 return True
         return False
 
-    def _dispose(self, session: Session) -> None:
+    def _remove(self, session_id: str) -> None:
+        """Drop a session and free its backend resources (call with the lock held)."""
+        session = self._sessions.pop(session_id)
+        self._nbytes -= session.nbytes
         session.tokens = []
         session.nbytes = 0
         if self._on_evict is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings
 
 from specdec.models import EMBEDDED, default_cache_dir
@@ -19,7 +19,7 @@ class ModelServiceSettings(BaseSettings):
         EMBEDDED,
         description="Hugging Face id, local checkpoint folder (or .gguf file for llamacpp), or 'embedded'.",
     )
-    host: str = Field("0.0.0.0", description="Interface to bind.")
+    host: str = Field("127.0.0.1", description="Interface to bind (0.0.0.0: every interface, as in the containers).")
     port: int = Field(ge=0, le=65535, description="gRPC port (0 picks a free one).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weight dtype for the transformers backend (fp32 keeps verify numerics exact)."
@@ -30,10 +30,41 @@ class ModelServiceSettings(BaseSettings):
     kv_budget_mb: float = Field(1024, gt=0, description="KV cache budget in MiB across sessions (LRU eviction).")
     session_ttl_s: float = Field(600, ge=0, description="Drop sessions idle this long (0 keeps them).")
     max_draft_tokens: int = Field(32, ge=1, le=256, description="Largest draft a request may ask for / verify.")
-    workers: int = Field(8, ge=1, description="gRPC worker threads (compute itself is serialised per model).")
+    workers: int = Field(
+        40, ge=5, description="gRPC worker threads; at least max_queued_calls + 4, so health and Info always find one."
+    )
+    max_queued_calls: int = Field(
+        32, ge=1, description="Model calls waiting for or in compute at once; more get RESOURCE_EXHAUSTED (HTTP 429)."
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
     cache_dir: Path = Field(default_factory=default_cache_dir, description="Where converted models are cached.")
     log_level: str = Field("INFO", description="Python logging level.")
+    auth_token: SecretStr | None = Field(
+        None, description="Require `authorization: Bearer <token>` on every RPC but grpc.health.v1 (docs/security.md)."
+    )
+    auth_token_file: Path | None = Field(None, description="File holding auth_token (a mounted secret); use one of the two.")
+    tls_cert_file: Path | None = Field(None, description="PEM certificate chain of this service: serve TLS instead of plaintext.")
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
+    tls_client_ca_file: Path | None = Field(
+        None, description="PEM CA bundle: require client certificates signed by it (mutual TLS); needs tls_cert_file."
+    )
+
+    @model_validator(mode="after")
+    def _check_security(self):
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both for TLS, or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        if self.auth_token is not None and self.auth_token.get_secret_value().strip() and self.auth_token_file is not None:
+            raise ValueError("set auth_token or auth_token_file, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _check_workers(self):
+        if self.workers < self.max_queued_calls + 4:
+            raise ValueError(f"workers ({self.workers}) must be at least max_queued_calls + 4 ({self.max_queued_calls + 4}), "
+                             "so calls that do not compute (health, Info) always find a free thread")
+        return self
 
     @property
     def address(self) -> str:

@@ -17,16 +17,18 @@ def main() -> None:
     settings = TargetSettings(_cli_parse_args=True)
     configure_logging(settings.log_level)
     configure_torch(settings.threads, spin_count=TARGET_SPIN_COUNT)
+    from specdec.auth import server_security
     from specdec.models import load_hf
     from target_service.engine import TargetEngine
     from target_service.servicer import build_server
 
+    security = server_security(settings)  # before the slow model load: a bad secret path fails at once
     t0 = time.perf_counter()
-    compute = ComputeThread()  # this (main) thread loads the model and runs every forward pass
+    compute = ComputeThread(settings.max_queued_calls, "target")  # this (main) thread loads the model and runs every forward pass
     loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
     store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
     engine = TargetEngine(loaded, store, settings.max_draft_tokens)
-    server, port, health = build_server(engine, settings.address, settings.workers, compute)
+    server, port, health = build_server(engine, settings.address, settings.workers, compute, **security)
     start_metrics(settings.metrics_port)
     info = engine.info()
     logger.info(

@@ -27,6 +27,20 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class VerifyJob:
+    """A validated Verify request, ready for the compute thread (built on the RPC thread, so a
+    malformed or oversized request never costs the model's thread any time)."""
+
+    session_id: str
+    tokens: list[int]  # [n] committed tokens
+    draft: list[int]  # [k] draft tokens
+    sampling: sm.Sampling
+    q: torch.Tensor | None  # [k, V] dense draft distributions (sampling with a draft), else None
+    return_target_probs: bool
+    prepare_ns: int = 0
+
+
+@dataclass
 class Verification:
     """Result of one Verify call."""
 
@@ -59,10 +73,11 @@ class TargetEngine:
             device=str(self.lm.device),
             backend=self.backend,
             max_draft_tokens=max_draft_tokens,
-            eos_token_ids=eos_ids(config, loaded.tokenizer),
+            eos_token_ids=eos_ids(config, loaded.tokenizer, getattr(loaded.model, "generation_config", None)),
         )
 
     def info(self) -> ModelInfo:
+        self._info.max_context = self.lm.max_context
         self._info.sessions = len(self.store)
         self._info.kv_bytes = self.store.nbytes
         self._info.kv_budget_bytes = self.store.max_bytes
@@ -87,27 +102,51 @@ class TargetEngine:
         ``draft_distributions`` are the draft's q (sparse, one per draft token), required when
         sampling with a non-empty draft.
         """
+        job = self.prepare(session_id, tokens, draft, sampling, draft_distributions, return_target_probs)
+        return self.run(job)
+
+    def prepare(
+        self,
+        session_id: str,
+        tokens: Sequence[int],
+        draft: Sequence[int] = (),
+        sampling: sm.Sampling = sm.Sampling(),
+        draft_distributions: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
+        return_target_probs: bool = False,
+    ) -> VerifyJob:
+        """Validate a Verify request (raises InvalidArgument) without touching the model."""
         t0 = time.perf_counter_ns()
         tokens, draft = list(tokens), list(draft)
         validate_session_id(session_id)
-        validate_tokens(tokens, self.lm.vocab_size)
-        validate_tokens(draft, self.lm.vocab_size, what="draft_tokens", allow_empty=True)
         sampling.validate()
         if len(draft) > self.max_draft_tokens:
             raise InvalidArgument(f"draft_tokens holds {len(draft)} tokens, over the maximum of {self.max_draft_tokens}")
         # The verified draft and the next token must fit in the context.
         validate_context(len(tokens) + len(draft) + 1, self.lm.max_context, "tokens + draft_tokens + 1")
-        if not sampling.greedy and draft and len(draft_distributions) != len(draft):
-            raise InvalidArgument(
-                f"sampling verification needs one draft distribution per draft token: got "
-                f"{len(draft_distributions)} for {len(draft)} draft tokens"
-            )
+        validate_tokens(tokens, self.lm.vocab_size)
+        validate_tokens(draft, self.lm.vocab_size, what="draft_tokens", allow_empty=True)
+        q = None
+        if not sampling.greedy and draft:
+            if len(draft_distributions) != len(draft):
+                raise InvalidArgument(
+                    f"sampling verification needs one draft distribution per draft token: got "
+                    f"{len(draft_distributions)} for {len(draft)} draft tokens"
+                )
+            q = torch.stack([_dense_distribution(i, ids, probs, x, self.lm.vocab_size)
+                             for i, ((ids, probs), x) in enumerate(zip(draft_distributions, draft, strict=True))])
+        return VerifyJob(session_id, tokens, draft, sampling, q, return_target_probs,
+                         prepare_ns=time.perf_counter_ns() - t0)
 
+    def run(self, job: VerifyJob) -> Verification:
+        """One forward pass over the session's uncached suffix + the draft, then verification."""
+        t0 = time.perf_counter_ns()
+        tokens, draft, sampling = job.tokens, job.draft, job.sampling
         with self.lm.lock:
-            session = self.lm.session(session_id)
+            session = self.lm.session(job.session_id)
             logits, cached = self.lm.extend(session, tokens, draft)  # [k + 1, V]
         first = len(tokens)  # absolute position of draft[0] (and of the next token when k == 0)
         k = len(draft)
+        return_target_probs = job.return_target_probs
         if sampling.greedy:
             num_accepted, next_token = sm.verify_greedy(logits.argmax(dim=-1).tolist(), draft)
             # one softmax serves both the draft tokens' probabilities and the next token's
@@ -117,11 +156,7 @@ class TargetEngine:
         else:
             p = sm.probabilities(logits, sampling)
             if k:
-                q = torch.stack([sm.to_dense(list(ids), list(pr), p.shape[-1]) for ids, pr in draft_distributions])
-                for i, x in enumerate(draft):
-                    if q[i, x] <= 0:
-                        raise InvalidArgument(f"draft distribution {i} gives probability 0 to its own draft token {x}")
-                num_accepted, next_token = sm.verify_sampling(p, q, draft, sampling.seed, first)
+                num_accepted, next_token = sm.verify_sampling(p, job.q, draft, sampling.seed, first)
             else:
                 num_accepted, next_token = 0, sm.sample(p[0], sampling.seed, first, sm.STREAM_TARGET)
             next_prob = float(p[num_accepted, next_token])
@@ -132,5 +167,36 @@ class TargetEngine:
             target_probs=target_probs,
             next_token_prob=next_prob,
             cached_tokens=cached,
-            compute_ns=time.perf_counter_ns() - t0,
+            compute_ns=time.perf_counter_ns() - t0 + job.prepare_ns,
         )
+
+
+# Draft probabilities are float32 sums over up to the whole vocabulary: allow for rounding.
+_Q_SUM_TOLERANCE = 1e-3
+
+
+def _dense_distribution(index: int, ids: Sequence[int], probs: Sequence[float], token: int, vocab_size: int) -> torch.Tensor:
+    """A draft's sparse distribution as a dense [V] tensor, validated (raises InvalidArgument)."""
+    what = f"draft_distributions[{index}]"
+    if len(ids) != len(probs):
+        raise InvalidArgument(f"{what}: {len(ids)} token_ids but {len(probs)} probs")
+    if not ids:
+        raise InvalidArgument(f"{what} is empty")
+    if len(ids) > vocab_size:
+        raise InvalidArgument(f"{what} holds {len(ids)} entries, more than the vocabulary of {vocab_size}")
+    index_t = torch.tensor(list(ids), dtype=torch.long)
+    probs_t = torch.tensor(list(probs), dtype=torch.float32)
+    if int(index_t.max()) >= vocab_size:
+        raise InvalidArgument(f"{what} holds id {int(index_t.max())}, outside the vocabulary of {vocab_size} ids")
+    if not bool(torch.isfinite(probs_t).all()) or bool((probs_t < 0).any()):
+        raise InvalidArgument(f"{what} holds a negative or non-finite probability")
+    total = float(probs_t.sum())
+    if abs(total - 1.0) > _Q_SUM_TOLERANCE:
+        raise InvalidArgument(f"{what} sums to {total:.6g}, not 1")
+    if torch.unique(index_t).numel() != index_t.numel():
+        raise InvalidArgument(f"{what} repeats a token id")
+    dense = torch.zeros(vocab_size, dtype=torch.float32)
+    dense[index_t] = probs_t
+    if dense[token] <= 0:
+        raise InvalidArgument(f"{what} gives probability 0 to its own draft token {token}")
+    return dense

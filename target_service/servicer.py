@@ -8,7 +8,7 @@ import grpc
 from prometheus_client import Counter
 
 from specdec.convert import info_to_pb, sampling_from_pb
-from specdec.server import EVICTIONS, KV_BUDGET, KV_BYTES, SESSIONS, ComputeThread, create_server, rpc
+from specdec.server import STORE_METRICS, ComputeThread, create_server, message_limits, rpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from target_service.engine import TargetEngine
@@ -25,13 +25,17 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def __init__(self, engine: TargetEngine, compute: ComputeThread | None = None) -> None:
         self.engine = engine
         # model compute runs on the compute thread when there is one (see ComputeThread)
-        self._run = compute.run if compute is not None else (lambda fn, *args: fn(*args))
-        self._evictions_seen = 0
+        self._compute = compute
+
+    def _run(self, context: grpc.ServicerContext, fn, *args):
+        if self._compute is None:
+            return fn(*args)
+        return self._compute.run(fn, *args, context=context)
 
     @rpc(SERVICE)
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
-        result = self._run(
-            self.engine.verify,
+        # Validation on this RPC thread: a bad request never reaches the compute thread.
+        job = self.engine.prepare(
             request.session_id,
             request.tokens,
             request.draft_tokens,
@@ -39,10 +43,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             [(d.token_ids, d.probs) for d in request.draft_distributions],
             request.return_target_probs,
         )
+        result = self._run(context, self.engine.run, job)
         STEPS.inc()
-        VERIFIED.inc(len(request.draft_tokens))
+        VERIFIED.inc(len(job.draft))
         ACCEPTED.inc(result.num_accepted)
-        self._export_store()
         return pb.VerifyResponse(
             num_accepted=result.num_accepted,
             next_token=result.next_token,
@@ -58,21 +62,17 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     @rpc(SERVICE)
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        released = self._run(self.engine.release, request.session_id)
-        self._export_store()
+        released = self._run(context, self.engine.release, request.session_id)
         return pb.ReleaseResponse(released=released)
 
-    def _export_store(self) -> None:
-        store = self.engine.store
-        SESSIONS.labels(SERVICE).set(len(store))
-        KV_BYTES.labels(SERVICE).set(store.nbytes)
-        KV_BUDGET.labels(SERVICE).set(store.max_bytes)
-        EVICTIONS.labels(SERVICE).inc(store.evictions - self._evictions_seen)
-        self._evictions_seen = store.evictions
 
-
-def build_server(engine: TargetEngine, address: str, workers: int = 8, compute: ComputeThread | None = None):
+def build_server(engine: TargetEngine, address: str, workers: int = 8, compute: ComputeThread | None = None, *,
+                 interceptors: list[grpc.ServerInterceptor] | None = None, credentials: grpc.ServerCredentials | None = None):
     """(server, port, health) for ``engine`` on ``address``; see specdec.server.create_server."""
     servicer = TargetServicer(engine, compute)
+    STORE_METRICS.track(SERVICE, engine.store)
+    info = engine.info()
+    limits = message_limits(info.max_context, info.vocab_size, info.max_draft_tokens, receives_distributions=True)
     name = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
-    return create_server(lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s), [name], address, workers)
+    return create_server(lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s), [name], address, workers,
+                         limits, interceptors=interceptors or (), credentials=credentials)

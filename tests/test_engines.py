@@ -8,7 +8,7 @@ import torch
 from draft_service.backends.hf import TransformersProposer
 from draft_service.proposer import StopReason
 from specdec import sampling as sm
-from specdec.errors import InvalidArgument, ResourceExhausted
+from specdec.errors import InvalidArgument
 from specdec.models import load_hf
 from specdec.sessions import SessionStore
 from target_service.engine import TargetEngine
@@ -189,8 +189,10 @@ def test_kv_budget_evicts_then_refuses(tiny_models):
     engine.verify("b", [2] * 30)  # 30 + 31 tokens > 40: a is evicted
     assert "a" not in engine.store and "b" in engine.store
     assert engine.store.nbytes <= engine.store.max_bytes
-    with pytest.raises(ResourceExhausted):
-        engine.verify("c", [3] * 45)  # alone over the budget
+    # alone over the budget: the budget bounds the context, so this is the client's input problem
+    assert engine.info().max_context == 40
+    with pytest.raises(InvalidArgument, match="maximum context of 40"):
+        engine.verify("c", [3] * 45)
     # still serving afterwards
     assert engine.verify("d", [4] * 10).num_accepted == 0
 

@@ -138,7 +138,7 @@ def test_sessions_do_not_leak_on_bad_input(target, target_addr):
     assert "leak-check" not in set(engine.store._sessions) - before
 
 
-def test_eviction_and_resource_exhausted_over_the_budget(tiny_models):
+def test_eviction_and_invalid_argument_over_the_budget(tiny_models):
     engine = TargetEngine(load_hf(tiny_models["gpt2-target"]), SessionStore(8, 1 << 30, 0))
     engine.store.max_bytes = engine.lm.bytes_per_token * 50
     server, port, _ = build_target(engine, "127.0.0.1:0")
@@ -150,9 +150,11 @@ def test_eviction_and_resource_exhausted_over_the_budget(tiny_models):
             stub.Verify(pb.VerifyRequest(session_id="b", tokens=[2] * 30))
             info = stub.Info(pb.InfoRequest())
             assert info.sessions == 1 and info.kv_bytes <= info.kv_budget_bytes
+            # a sequence the whole budget cannot hold is the caller's problem: Info says so up front
+            assert info.max_context == 50
             with pytest.raises(grpc.RpcError) as err:
                 stub.Verify(pb.VerifyRequest(session_id="c", tokens=[3] * 60))
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.code() == INVALID and "maximum context of 50" in err.value.details()
             # evicted session "a" is simply recomputed
             assert stub.Verify(pb.VerifyRequest(session_id="a", tokens=[1] * 30)).cached_tokens == 0
     finally:

@@ -490,5 +490,5 @@ def test_launch_command(monkeypatch):
     assert cmd[1:5] == ["-m", "streamlit", "run", str(app_path)] and app_path.name == "app.py"
     assert cmd[cmd.index("--server.port") + 1] == "8765"
     assert cmd[cmd.index("--server.headless") + 1] == "true"
-    assert cmd[cmd.index("--server.address") + 1] == "0.0.0.0"
+    assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"  # local only unless SPECDEC_UI_HOST says otherwise
     assert cmd[cmd.index("--browser.gatherUsageStats") + 1] == "false"

@@ -18,7 +18,7 @@ def command(settings: UISettings | None = None) -> list[str]:
         sys.executable, "-m", "streamlit", "run", str(APP),
         "--server.port", str(settings.port),
         "--server.headless", "true",
-        "--server.address", "0.0.0.0",
+        "--server.address", settings.host,
         "--browser.gatherUsageStats", "false",
         # nothing edits the page in production; watching files only costs CPU
         "--server.fileWatcherType", "none",

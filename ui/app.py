@@ -46,7 +46,8 @@ REFRESH_S = 0.25  # least time between two redraws of a streaming answer
 def main() -> None:
     st.set_page_config(page_title="specdec: speculative decoding, live", page_icon=":material/bolt:", layout="wide")
     settings = UISettings()
-    client = OrchestratorClient(settings.orchestrator_url, settings.request_timeout_s, settings.stream_timeout_s)
+    client = OrchestratorClient(settings.orchestrator_url, settings.request_timeout_s, settings.stream_timeout_s,
+                                settings.orchestrator_key())
     st.html(CSS)
 
     with st.sidebar:

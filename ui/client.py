@@ -31,6 +31,8 @@ class Rejected(OrchestratorError):
         self.status, self.detail = status, detail
         if status == 503:
             message = f"The orchestrator is not ready (HTTP 503): {detail}"
+        elif status == 401:
+            message = f"The orchestrator wants an API key (HTTP 401): {detail}. Set SPECDEC_UI_API_KEY to one of its keys."
         else:
             message = f"The orchestrator rejected the request (HTTP {status}): {detail}"
         super().__init__(message)
@@ -94,14 +96,16 @@ class Status:
 class OrchestratorClient:
     """Blocking client (Streamlit runs the page in a plain thread)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 5.0, stream_timeout_s: float = 300.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 5.0, stream_timeout_s: float = 300.0,
+                 api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.stream_timeout_s = stream_timeout_s
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _get(self, path: str) -> httpx.Response:
         try:
-            return httpx.get(self.base_url + path, timeout=self.timeout_s)
+            return httpx.get(self.base_url + path, timeout=self.timeout_s, headers=self.headers)
         except httpx.HTTPError as exc:
             raise Unreachable(self._unreachable(exc)) from exc
 
@@ -130,7 +134,7 @@ class OrchestratorClient:
         url = self.base_url + "/v1/generate/stream"
         done = False
         try:
-            with httpx.stream("POST", url, json=body, timeout=timeout) as response:
+            with httpx.stream("POST", url, json=body, timeout=timeout, headers=self.headers) as response:
                 if response.status_code != 200:
                     response.read()
                     detail = _json(response).get("detail", response.text or response.reason_phrase)

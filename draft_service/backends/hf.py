@@ -27,7 +27,7 @@ class TransformersProposer(Proposer):
             device=str(self.lm.device),
             backend=self.backend,
             max_draft_tokens=max_draft_tokens,
-            eos_token_ids=eos_ids(config, loaded.tokenizer),
+            eos_token_ids=eos_ids(config, loaded.tokenizer, getattr(loaded.model, "generation_config", None)),
         )
         self._eos = set(self._info.eos_token_ids)
 

@@ -145,15 +145,15 @@ class LlamaCppProposer(Proposer):
             session.cache = self._free_slots.pop()
             session.tokens = []
         cached = min(common_prefix_len(session.tokens, tokens), len(tokens) - 1)
-        self._ctx.kv_cache_seq_rm(session.cache, cached, -1)
-        new = tokens[cached:]
-        self.store.reserve(session, (len(tokens) - len(session.tokens)) * self.bytes_per_token)
+        # Room first: a refusal here leaves the slot exactly as it was.
+        self.store.reserve(session, len(tokens) * self.bytes_per_token - session.nbytes)
         try:
-            self._decode(session.cache, new, cached)
-        except Exception:
-            # The slot's contents are unknown after a failed decode: start it afresh next time.
+            self._ctx.kv_cache_seq_rm(session.cache, cached, -1)
+            self._decode(session.cache, tokens[cached:], cached)
+        except BaseException:
+            # The slot's contents are unknown after a failed crop or decode: start it afresh next time.
             self._ctx.kv_cache_seq_rm(session.cache, -1, -1)
-            self.store.update(session, [], 0)
+            self.store.reset(session)
             raise
         self.store.update(session, list(tokens), len(tokens) * self.bytes_per_token)
         return self._last_logits(), cached

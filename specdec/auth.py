@@ -1,0 +1,235 @@
+"""Authentication and TLS between the orchestrator and the model services.
+
+Server side: :class:`TokenAuth`, a ``grpc.ServerInterceptor`` that asks every RPC but the standard
+health service for ``authorization: Bearer <token>``, and :func:`server_credentials` (TLS, or
+mutual TLS when a client CA is given). :func:`server_security` turns a service's settings into the
+``interceptors`` and ``credentials`` of ``specdec.server.create_server``.
+
+Client side: :class:`ChannelSecurity` (token and TLS files) and :func:`aio_channel` /
+:func:`channel`, which open a plaintext or TLS channel that sends the token with every call.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from pydantic import SecretStr
+
+if TYPE_CHECKING:
+    from specdec.settings import ModelServiceSettings
+
+logger = logging.getLogger(__name__)
+
+# Container and Kubernetes probes speak grpc.health.v1 and cannot send a token; health says
+# nothing a port scan would not.
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def read_secret(value: SecretStr | str | None, file: Path | None) -> str | None:
+    """The secret given inline or in ``file`` (surrounding whitespace stripped); None when neither
+    is set. An empty value counts as unset, so ``VAR=`` in a compose file leaves auth off."""
+    inline = value.get_secret_value() if isinstance(value, SecretStr) else value
+    inline = (inline or "").strip()
+    from_file = Path(file).read_text(encoding="utf-8").strip() if file else ""
+    if inline and from_file:
+        raise ValueError(f"the secret is set both inline and in {file}; set one of them")
+    return inline or from_file or None
+
+
+def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    """The credential of an ``authorization: Bearer <credential>`` entry, or None."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            scheme, _, credential = str(value).partition(" ")
+            if scheme.lower() == "bearer":
+                return credential.strip()
+    return None
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    """Require ``authorization: Bearer <token>`` on every RPC outside ``exempt`` (method prefixes);
+    otherwise the call ends with UNAUTHENTICATED before the servicer runs."""
+
+    def __init__(self, token: str, exempt: Sequence[str] = EXEMPT_PREFIXES) -> None:
+        if not token:
+            raise ValueError("TokenAuth needs a non-empty token")
+        self._token = token.encode()
+        self._exempt = tuple(exempt)
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self._exempt):
+            return handler
+        given = _bearer(handler_call_details.invocation_metadata)
+        if given is None:
+            return _denied(handler, "missing token: send metadata 'authorization: Bearer <token>'")
+        if not hmac.compare_digest(given.encode(), self._token):
+            return _denied(handler, "invalid token")
+        return handler
+
+
+def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
+
+    def abort(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        make = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        make = grpc.unary_stream_rpc_method_handler
+    else:
+        make = grpc.unary_unary_rpc_method_handler
+    return make(abort, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+def server_credentials(cert_file: Path | None, key_file: Path | None,
+                       client_ca_file: Path | None = None) -> grpc.ServerCredentials | None:
+    """TLS credentials from PEM files; with ``client_ca_file`` clients must present a certificate
+    signed by it (mutual TLS). None without a certificate (plaintext)."""
+    if cert_file is None and key_file is None:
+        if client_ca_file is not None:
+            raise ValueError("a client CA needs the server's own certificate and key (TLS) too")
+        return None
+    if cert_file is None or key_file is None:
+        raise ValueError("TLS needs both a certificate and its private key")
+    client_ca = Path(client_ca_file).read_bytes() if client_ca_file else None
+    return grpc.ssl_server_credentials([(Path(key_file).read_bytes(), Path(cert_file).read_bytes())],
+                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+def server_security(settings: ModelServiceSettings) -> dict[str, Any]:
+    """``interceptors`` and ``credentials`` for ``create_server`` from a model service's settings."""
+    token = read_secret(settings.auth_token, settings.auth_token_file)
+    credentials = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+    transport = "plaintext" if credentials is None else "mutual TLS" if settings.tls_client_ca_file else "TLS"
+    logger.info("gRPC on %s: %s, %s", settings.address, transport,
+                "token required" if token else "no token (anyone who reaches the port may call)")
+    if token and credentials is None and settings.host not in LOOPBACK_HOSTS:
+        logger.info("the token crosses the network in clear text; enable TLS between hosts (docs/security.md)")
+    return {"interceptors": [TokenAuth(token)] if token else [], "credentials": credentials}
+
+
+# ---- client side ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How a client reaches a model service: a bearer token and/or TLS (PEM file contents)."""
+
+    token: str | None = None
+    ca: bytes | None = None  # trust these CAs for the server's certificate; None: plaintext
+    cert: bytes | None = None  # client certificate chain (mutual TLS)
+    key: bytes | None = None  # its private key
+    server_name: str | None = None  # name expected in the server's certificate instead of the address's host
+
+    @classmethod
+    def from_files(cls, token: SecretStr | str | None = None, token_file: Path | None = None,
+                   ca_file: Path | None = None, cert_file: Path | None = None, key_file: Path | None = None,
+                   server_name: str | None = None) -> ChannelSecurity:
+        if (cert_file is None) != (key_file is None):
+            raise ValueError("a client certificate needs its private key and the other way round")
+        if cert_file is not None and ca_file is None:
+            raise ValueError("a client certificate (mutual TLS) needs TLS: set the CA file of the services too")
+        return cls(
+            token=read_secret(token, token_file),
+            ca=Path(ca_file).read_bytes() if ca_file else None,
+            cert=Path(cert_file).read_bytes() if cert_file else None,
+            key=Path(key_file).read_bytes() if key_file else None,
+            server_name=server_name or None,
+        )
+
+    @property
+    def tls(self) -> bool:
+        return self.ca is not None
+
+    def describe(self) -> str:
+        transport = "plaintext" if not self.tls else "mutual TLS" if self.cert else "TLS"
+        return f"{transport}, {'with' if self.token else 'no'} token"
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+    def options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.tls and self.server_name else []
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+# The token rides in an interceptor rather than call credentials: gRPC refuses call credentials on
+# plaintext channels, and plaintext on a private network is a supported set-up.
+
+def _with_metadata(details: Any, extra: tuple[tuple[str, str], ...], aio: bool = False) -> Any:
+    metadata = (*(details.metadata or ()), *extra)
+    return details._replace(metadata=grpc.aio.Metadata(*metadata) if aio else metadata)
+
+
+class _AioToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(_with_metadata(client_call_details, self._metadata, True), request)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_with_metadata(client_call_details, self._metadata, True), request)
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_metadata(client_call_details, self._metadata, True), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_metadata(client_call_details, self._metadata, True), request_iterator)
+
+
+class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(_with_metadata(client_call_details, self._metadata), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(_with_metadata(client_call_details, self._metadata), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(_with_metadata(client_call_details, self._metadata), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(_with_metadata(client_call_details, self._metadata), request_iterator)
+
+
+def aio_channel(address: str, security: ChannelSecurity | None = None,
+                options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """An asyncio channel to ``address``: TLS when ``security`` has a CA, the token on every call."""
+    security = security or ChannelSecurity()
+    options = [*options, *security.options()]
+    interceptors = [_AioToken(security.metadata())] if security.token else None
+    if security.tls:
+        return grpc.aio.secure_channel(address, security.channel_credentials(), options=options,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+def channel(address: str, security: ChannelSecurity | None = None,
+            options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """The blocking counterpart of :func:`aio_channel` (tools, health checks, tests)."""
+    security = security or ChannelSecurity()
+    options = [*options, *security.options()]
+    if security.tls:
+        ch = grpc.secure_channel(address, security.channel_credentials(), options=options)
+    else:
+        ch = grpc.insecure_channel(address, options=options)
+    return grpc.intercept_channel(ch, _SyncToken(security.metadata())) if security.token else ch
