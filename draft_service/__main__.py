@@ -7,7 +7,8 @@ import time
 
 from draft_service.settings import DraftSettings
 from specdec.runtime import configure_torch, start_metrics
-from specdec.server import ComputeThread, configure_logging, serve_forever
+from specdec.scheduler import ComputeThread
+from specdec.server import configure_logging, serve_forever
 
 logger = logging.getLogger("draft_service")
 

@@ -1,4 +1,12 @@
-"""The proposer interface every draft backend implements, and the request checks they share."""
+"""The proposer interface every draft backend implements, the request checks they share, and the
+drafting state machine that lets a backend draft for many sessions in one batched step.
+
+A Propose call becomes a :class:`ProposeJob`. Drafting k tokens takes k forward steps; a batched
+backend's :meth:`Proposer.step` advances every job waiting by one token in ONE forward pass (the
+first step of a job also catches its cache up with the tokens it missed), so B sessions drafting
+k tokens cost k batched passes, not B x k single ones. Jobs finish independently (early stop on
+low confidence or EOS) and new ones join at the next step.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ from dataclasses import dataclass, field
 from specdec import sampling as sm
 from specdec.engine import ModelInfo, validate_context, validate_session_id, validate_tokens
 from specdec.errors import InvalidArgument
+from specdec.scheduler import PENDING, StepResult
 from specdec.sessions import SessionStore
 
 
@@ -35,6 +44,59 @@ class ProposeJob:
     sampling: sm.Sampling
     return_distributions: bool
     prepare_ns: int = 0
+    queue_ns: int = 0  # set by the scheduler: wait before the first step
+    # drafting state, advanced by the backend's steps
+    k: int = 0  # tokens to draft at most (max_draft_tokens, or less near the end of the context)
+    drafted: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    distributions: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    stop_reason: StopReason | None = None
+    cached_tokens: int = -1  # leading request tokens found in the cache at the first step
+    started_ns: int = 0
+    steps: int = 0
+    sessions_seen: int = 0  # sum over its steps of the sessions in each
+
+    def begin(self, max_context: int) -> bool:
+        """Start drafting (once); False when there is no room to draft at all."""
+        if not self.started_ns:
+            self.started_ns = time.perf_counter_ns()
+            # Leave room for the target's next token after the draft.
+            self.k = max(0, min(self.max_draft_tokens, max_context - len(self.tokens) - 1))
+            if self.k == 0:
+                self.stop_reason = StopReason.CONTEXT_LIMIT
+        return self.k > 0
+
+    def advance(self, probs, eos: set[int], batch_sessions: int) -> bool:
+        """Choose the next draft token from the draft's transformed distribution ``probs`` [V];
+        True when drafting is over (the stop reason is set)."""
+        i = len(self.drafted)
+        if self.sampling.greedy:
+            token = int(probs.argmax())
+        else:
+            token = sm.sample(probs, self.sampling.seed, len(self.tokens) + i, sm.STREAM_DRAFT)
+        self.drafted.append(token)
+        self.confidences.append(float(probs[token]))
+        if self.return_distributions:
+            self.distributions.append(sm.to_sparse(probs))
+        self.steps += 1
+        self.sessions_seen += batch_sessions
+        if token in eos:
+            self.stop_reason = StopReason.EOS
+        elif self.confidences[-1] < self.confidence_threshold:
+            self.stop_reason = StopReason.LOW_CONFIDENCE
+        elif len(self.drafted) >= self.k:
+            self.stop_reason = StopReason.MAX_TOKENS if self.k == self.max_draft_tokens else StopReason.CONTEXT_LIMIT
+        return self.stop_reason is not None
+
+    def proposal(self) -> Proposal:
+        return Proposal(
+            self.drafted, self.confidences, self.stop_reason or StopReason.MAX_TOKENS, self.distributions,
+            cached_tokens=max(self.cached_tokens, 0),
+            compute_ns=time.perf_counter_ns() - self.started_ns + self.prepare_ns,
+            batch_sessions=self.sessions_seen / self.steps if self.steps else 1.0,
+            steps=self.steps,
+            queue_ns=self.queue_ns,
+        )
 
 
 @dataclass
@@ -48,10 +110,14 @@ class Proposal:
     distributions: list[tuple[list[int], list[float]]] = field(default_factory=list)
     cached_tokens: int = 0
     compute_ns: int = 0
+    batch_sessions: float = 1.0  # mean sessions per batched step it took part in
+    steps: int = 0  # forward steps it took part in
+    queue_ns: int = 0
 
 
 class Proposer(abc.ABC):
-    """A draft backend. Subclasses implement :meth:`_propose`; :meth:`propose` validates first."""
+    """A draft backend. Model backends implement :meth:`step` (batched); simple ones implement
+    :meth:`_propose` (one job at a time). :meth:`prepare` validates first."""
 
     backend: str = ""
 
@@ -115,22 +181,34 @@ class Proposer(abc.ABC):
                           return_distributions and not sampling.greedy, time.perf_counter_ns() - t0)
 
     def run(self, job: ProposeJob) -> Proposal:
-        """Draft for a validated request (on the compute thread)."""
-        t0 = time.perf_counter_ns()
-        info = self.model_info
-        # Leave room for the target's next token after the draft.
-        room = info.max_context - len(job.tokens) - 1
-        if room <= 0:
-            return Proposal([], [], StopReason.CONTEXT_LIMIT, compute_ns=time.perf_counter_ns() - t0 + job.prepare_ns)
-        k = min(job.max_draft_tokens, room)
-        proposal = self._propose(job.session_id, job.tokens, k, job.confidence_threshold, job.sampling,
-                                 job.return_distributions)
-        if proposal.stop_reason is StopReason.MAX_TOKENS and k < job.max_draft_tokens:
-            proposal.stop_reason = StopReason.CONTEXT_LIMIT
-        proposal.compute_ns = time.perf_counter_ns() - t0 + job.prepare_ns
-        return proposal
+        """Draft for one validated request on its own (step after step)."""
+        while True:
+            outcome = self.step([job]).outcomes[0]
+            if outcome is not PENDING:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                return outcome
 
-    @abc.abstractmethod
+    def step(self, jobs: list[ProposeJob]) -> StepResult:
+        """Advance every job; the default drafts each job whole with :meth:`_propose` (backends
+        without a model to batch, such as n-gram)."""
+        outcomes: list = []
+        for job in jobs:
+            try:
+                if not job.begin(self.model_info.max_context):
+                    outcomes.append(job.proposal())
+                    continue
+                proposal = self._propose(job.session_id, job.tokens, job.k, job.confidence_threshold, job.sampling,
+                                         job.return_distributions)
+                if proposal.stop_reason is StopReason.MAX_TOKENS and job.k < job.max_draft_tokens:
+                    proposal.stop_reason = StopReason.CONTEXT_LIMIT
+                proposal.compute_ns = time.perf_counter_ns() - job.started_ns + job.prepare_ns
+                proposal.queue_ns = job.queue_ns
+                outcomes.append(proposal)
+            except Exception as exc:  # noqa: BLE001 - that job's error
+                outcomes.append(exc)
+        return StepResult(outcomes)
+
     def _propose(
         self,
         session_id: str,
@@ -141,40 +219,16 @@ class Proposer(abc.ABC):
         return_distributions: bool,
     ) -> Proposal:
         """Propose up to ``k`` tokens (validated: 1 <= k, fits the context)."""
+        raise NotImplementedError
 
 
-def draft_loop(
-    next_probs,
-    k: int,
-    first_position: int,
-    threshold: float,
-    sampling: sm.Sampling,
-    eos: set[int],
-    return_distributions: bool,
-) -> Proposal:
-    """The drafting loop shared by model backends.
-
-    ``next_probs(drafted)`` returns the draft's transformed distribution [V] (torch) for the token
-    after ``tokens + drafted``; it is called once per proposed token.
-    """
-    drafted: list[int] = []
-    confidences: list[float] = []
-    dists: list[tuple[list[int], list[float]]] = []
-    reason = StopReason.MAX_TOKENS
-    for i in range(k):
-        probs = next_probs(drafted)
-        if sampling.greedy:
-            token = int(probs.argmax())
-        else:
-            token = sm.sample(probs, sampling.seed, first_position + i, sm.STREAM_DRAFT)
-        drafted.append(token)
-        confidences.append(float(probs[token]))
-        if return_distributions:
-            dists.append(sm.to_sparse(probs))
-        if token in eos:
-            reason = StopReason.EOS
-            break
-        if confidences[-1] < threshold:
-            reason = StopReason.LOW_CONFIDENCE
-            break
-    return Proposal(drafted, confidences, reason, dists)
+def batch_of_distinct_sessions(jobs: list[ProposeJob]) -> tuple[list[int], list]:
+    """Indices of the jobs that may share a step (the first call of each session; a second call on
+    one session waits for the next step), and the outcomes list with PENDING everywhere."""
+    seen: set[str] = set()
+    chosen = []
+    for i, job in enumerate(jobs):
+        if job.session_id not in seen:
+            seen.add(job.session_id)
+            chosen.append(i)
+    return chosen, [PENDING] * len(jobs)

@@ -7,7 +7,8 @@ from prometheus_client import Counter
 
 from draft_service.proposer import Proposer
 from specdec.convert import info_to_pb, sampling_from_pb
-from specdec.server import STORE_METRICS, ComputeThread, create_server, message_limits, rpc
+from specdec.scheduler import ComputeThread
+from specdec.server import STORE_METRICS, create_server, message_limits, rpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -38,7 +39,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             sampling_from_pb(request.sampling),
             request.return_distributions,
         )
-        result = self._run(context, self.proposer.run, job)
+        result = self._compute.submit(self.proposer, job, context) if self._compute else self.proposer.run(job)
         PROPOSED.inc(len(result.tokens))
         STOPS.labels(result.stop_reason.name.lower()).inc()
         return pb.ProposeResponse(
@@ -48,11 +49,14 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             distributions=[pb.SparseDistribution(token_ids=ids, probs=pr) for ids, pr in result.distributions],
             cached_tokens=result.cached_tokens,
             compute_ns=result.compute_ns,
+            batch_sessions=result.batch_sessions,
+            steps=result.steps,
+            queue_ns=result.queue_ns,
         )
 
     @rpc(SERVICE)
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        return info_to_pb(self.proposer.info())
+        return info_to_pb(self.proposer.info(), self._compute.snapshot() if self._compute else None)
 
     @rpc(SERVICE)
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

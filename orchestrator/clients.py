@@ -52,6 +52,8 @@ class Proposed:
     cached_tokens: int  # leading request tokens already in the draft's cache
     compute_ms: float
     wall_ms: float
+    batch_sessions: float = 1.0  # mean sessions per batched draft step it took part in
+    queue_ms: float = 0.0  # wait before its first draft step
 
 
 @dataclass
@@ -63,6 +65,9 @@ class Verified:
     cached_tokens: int
     compute_ms: float
     wall_ms: float
+    batch_sessions: int = 1  # sessions in the target's forward pass that verified it
+    batch_rows: int = 0  # token rows in that pass (0: not reported)
+    queue_ms: float = 0.0  # wait before that pass
 
 
 class _Client:
@@ -110,6 +115,8 @@ class DraftClient(_Client):
             cached_tokens=r.cached_tokens,
             compute_ms=r.compute_ns / 1e6,
             wall_ms=wall * 1e3,
+            batch_sessions=r.batch_sessions or 1.0,
+            queue_ms=r.queue_ns / 1e6,
         )
 
 
@@ -140,4 +147,7 @@ class TargetClient(_Client):
             cached_tokens=r.cached_tokens,
             compute_ms=r.compute_ns / 1e6,
             wall_ms=wall * 1e3,
+            batch_sessions=r.batch_sessions or 1,
+            batch_rows=r.batch_rows,
+            queue_ms=r.queue_ns / 1e6,
         )

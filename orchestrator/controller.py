@@ -8,8 +8,9 @@ k == 0 means "no draft this step" (a plain decoding step through Verify).
   run of accepted tokens under the recent per-token acceptance rate a, i.e. a / (1 - a).
 - ``hf``: transformers' assisted-generation heuristic: +2 when all were accepted, else -1.
 - ``cost`` (default): pick the k that maximises expected tokens per second, from the running
-  acceptance estimate and the measured cost of drafting, verifying and round trips, including
-  k = 0 when speculation does not pay.
+  acceptance estimate and the measured cost of drafting, verifying and round trips *at the
+  current load* (both services batch concurrent requests; their cost grows with the rows and
+  sessions batched, which every response reports), including k = 0 when speculation does not pay.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class StepObservation:
     draft_compute_ms: float = 0.0  # server-side compute of Propose
     draft_catch_up: int = 1  # tokens the draft processed besides its proposals (missed since its last call)
     warm: bool = True  # False for the first step, whose cost is dominated by the prompt's prefill
+    verify_rows: int = 0  # token rows of the batched forward that verified it, all sessions (0: unknown)
+    verify_sessions: int = 1  # sessions in that forward
+    draft_sessions: float = 1.0  # mean sessions per batched draft step of the Propose
 
 
 class Controller(abc.ABC):
@@ -136,37 +140,57 @@ class LinearFit:
 
 
 class CostModel:
-    """Running estimates of what a step costs, in milliseconds of wall time as the client sees it.
+    """Running estimates of what a step costs, in milliseconds of wall time as the client sees it,
+    as functions of the load the model services batch together.
 
-    Verify cost is linear in the number of tokens verified (a + b * k); draft cost linear in the
-    tokens proposed (a per-call round trip plus a per-token cost). Calls where the draft first had
-    to catch up on many tokens it had not seen (after plain steps) are left out of the draft fit:
-    that catch-up is a one-off, and counting it as a per-token cost would make drafting look too
+    - Verify: one batched forward pass whose cost grows with its token rows R across all sessions
+      in it: verify_ms ~ a + b * R. A request choosing k adds k + 1 rows; the other sessions sharing
+      the pass (``verify_sessions``, a running mean of what the target reports) add theirs, so
+      with everyone at k the pass has ``verify_sessions * (k + 1)`` rows.
+    - Draft: k batched draft steps, each costing more with the sessions sharing it:
+      ms per step ~ c + d * S, S the running mean of sessions per draft step.
+
+    Both fits are measured at run time from what the services report with every call, so as the
+    machine fills, verify and draft cost more, and the k that maximises tokens per second falls,
+    down to 0 (plain decoding) when speculation would not pay. Calls where the draft first had to
+    catch up on many tokens it had not seen (after plain steps) are left out of the draft fit: that
+    catch-up is a one-off, and counting it as a per-step cost would make drafting look too
     expensive ever to resume.
     """
 
     MAX_CATCH_UP = 3  # tokens a draft processes besides its own in steady state: 1-2
 
-    def __init__(self, decay: float = 0.9) -> None:
-        self.verify = LinearFit(decay)
-        self.draft = LinearFit(decay)
+    def __init__(self, decay: float = 0.9, share_decay: float = 0.8) -> None:
+        self.verify = LinearFit(decay)  # wall ms of Verify by token rows of its forward pass
+        self.draft_step = LinearFit(decay)  # wall ms per draft step by sessions per step
+        self.share_decay = share_decay
+        self.verify_sessions = 1.0  # running mean of sessions per verify pass
+        self.draft_sessions = 1.0  # running mean of sessions per draft step
 
-    def observe_verify(self, k: int, ms: float) -> None:
-        self.verify.add(k, ms)
+    def observe_verify(self, k: int, ms: float, rows: int = 0, sessions: int = 1) -> None:
+        """A Verify of k draft tokens took ``ms``; its forward had ``rows`` rows across ``sessions``
+        sessions (0 rows: unknown, taken as this request's own k + 1)."""
+        d = self.share_decay
+        self.verify_sessions = d * self.verify_sessions + (1 - d) * max(sessions, 1)
+        self.verify.add(rows if rows > 0 else k + 1, ms)
 
-    def observe_draft(self, proposed: int, ms: float, catch_up: int = 1) -> None:
-        if proposed > 0 and catch_up <= self.MAX_CATCH_UP:
-            self.draft.add(proposed, ms)
+    def observe_draft(self, proposed: int, ms: float, catch_up: int = 1, sessions: float = 1.0) -> None:
+        if proposed <= 0:
+            return
+        d = self.share_decay
+        self.draft_sessions = d * self.draft_sessions + (1 - d) * max(sessions, 1.0)
+        if catch_up <= self.MAX_CATCH_UP:
+            self.draft_step.add(max(sessions, 1.0), ms / proposed)
 
     def verify_ms(self, k: int) -> float | None:
-        # until two k have been seen: each extra verified token costs 10 % of a step
-        return self.verify.predict(k, 0.1)
+        # until two row counts have been seen: each extra row costs 10 % of a one-row pass
+        return self.verify.predict(self.verify_sessions * (k + 1), 0.1)
 
     def draft_ms(self, k: int) -> float | None:
         if k == 0:
             return 0.0
-        # until two draft lengths have been seen: the call itself is cheap next to its tokens
-        return self.draft.predict(k, 0.9)
+        step = self.draft_step.predict(self.draft_sessions, 0.2)
+        return None if step is None else k * step
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -227,9 +251,9 @@ class CostController(Controller):
     def observe(self, step: StepObservation) -> None:
         # Costs are wall times as the client sees them: tokens per second is what we maximise.
         if step.warm:
-            self.costs.observe_verify(step.proposed, step.verify_ms)
+            self.costs.observe_verify(step.proposed, step.verify_ms, step.verify_rows, step.verify_sessions)
             if step.proposed:
-                self.costs.observe_draft(step.proposed, step.draft_ms, step.draft_catch_up)
+                self.costs.observe_draft(step.proposed, step.draft_ms, step.draft_catch_up, step.draft_sessions)
         if step.proposed:
             rejected = 1 if step.accepted < step.proposed else 0
             self.successes = self.decay * self.successes + step.accepted

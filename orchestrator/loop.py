@@ -9,6 +9,7 @@ the target service so only sparse draft distributions cross the wire.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -94,6 +95,9 @@ class StepEvent:
     overhead_ms: float  # step wall time not spent in either RPC (orchestrator bookkeeping)
     draft_stop_reason: str = ""
     draft_error: str = ""  # set when the draft failed and this step ran without one
+    batch_sessions: int = 1  # sessions in the target's batched forward pass that verified this step
+    batch_rows: int = 0  # token rows in that pass, across its sessions
+    draft_batch_sessions: float = 0.0  # mean sessions per batched draft step (0: no draft)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -282,8 +286,8 @@ async def generate(
             # 3. Verify in one target pass.
             try:
                 try:
-                    v = await call(target.verify(session_id, seq, tokens, params.sampling,
-                                                 proposal.distributions if proposal else ()))
+                    v = await verify_when_admitted(call, functools.partial(
+                        target.verify, session_id, seq, tokens, params.sampling, proposal.distributions if proposal else ()))
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not tokens:
                         raise
@@ -325,6 +329,8 @@ async def generate(
                 k=k, proposed=len(tokens), accepted=v.num_accepted, draft_ms=draft_ms, verify_ms=v.wall_ms,
                 draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=stats.iterations > 0,
                 draft_catch_up=len(seq) - len(new) - proposal.cached_tokens if proposal else 0,
+                verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
+                draft_sessions=proposal.batch_sessions if proposal else 1.0,
             ))
             stats.iterations += 1
             stats.tokens += len(new)
@@ -354,6 +360,8 @@ async def generate(
                 draft_compute_ms=proposal.compute_ms if proposal else 0.0, verify_compute_ms=v.compute_ms,
                 overhead_ms=max(step_ms - draft_ms - v.wall_ms, 0.0),
                 draft_stop_reason=proposal.stop_reason if proposal else "", draft_error=draft_error,
+                batch_sessions=v.batch_sessions, batch_rows=v.batch_rows,
+                draft_batch_sessions=proposal.batch_sessions if proposal else 0.0,
             )
             if done:
                 break
@@ -369,6 +377,21 @@ async def generate(
         task = asyncio.get_running_loop().create_task(_release(clients, session_id, inflight))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
+
+
+# A target whose queue is full answers RESOURCE_EXHAUSTED at once; a stream already under way waits
+# a little and tries again (the queue drains within a few forward passes) before giving up with 429.
+BUSY_RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8)
+
+
+async def verify_when_admitted(call: Callable[[Any], Any], make: Callable[[], Any]) -> Any:
+    for delay in (*BUSY_RETRY_DELAYS_S, None):
+        try:
+            return await call(make())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or delay is None:
+                raise
+            await asyncio.sleep(delay)
 
 
 def _cut_at_stop(text: str, stop: list[str]) -> str:

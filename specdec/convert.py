@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from specdec import params as sm
 from specdec.params import ModelInfo
 from specdec.v1 import specdec_pb2 as pb
@@ -17,7 +19,9 @@ def sampling_to_pb(s: sm.Sampling) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
 
 
-def info_to_pb(info: ModelInfo) -> pb.InfoResponse:
+def info_to_pb(info: ModelInfo, scheduler: Any = None) -> pb.InfoResponse:
+    """``scheduler``: the service's SchedulerStats (specdec.scheduler), when it has a scheduler."""
+    stats = pb.SchedulerStats(**vars(scheduler)) if scheduler is not None else None
     return pb.InfoResponse(
         model_id=info.model_id,
         architecture=info.architecture,
@@ -32,4 +36,5 @@ def info_to_pb(info: ModelInfo) -> pb.InfoResponse:
         kv_bytes=info.kv_bytes,
         kv_budget_bytes=info.kv_budget_bytes,
         eos_token_ids=info.eos_token_ids,
+        scheduler=stats,
     )

@@ -10,12 +10,14 @@ import functools
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specdec.errors import InvalidArgument
 from specdec.params import ModelInfo  # noqa: F401  (re-exported)
+from specdec.ragged import RaggedBatch, Segment, SessionKV, kv_geometry, ragged_attention_on
 from specdec.sessions import Session, SessionStore, common_prefix_len
 
 logger = logging.getLogger(__name__)
@@ -131,12 +133,30 @@ class _FastLinearsScope:
         self._local.on = self._prev
 
 
-class CachedCausalLM:
-    """A transformers causal LM whose sessions keep their own ``DynamicCache``.
+@dataclass
+class ForwardRequest:
+    """One session's part of a batched forward pass."""
 
-    :meth:`extend` makes a session's cache cover ``tokens + extra``, reusing the longest common
-    prefix with what the cache held, cropping the rest, and running one forward pass over the new
-    suffix only. Callers hold :attr:`lock` around it: one forward at a time per model.
+    session: Session
+    tokens: list[int]  # the sequence the session's cache must cover afterwards
+    logits: int  # logits wanted for the last this-many tokens (0: none, e.g. a prefill chunk)
+
+
+@dataclass
+class ForwardResult:
+    logits: torch.Tensor | None  # [logits, V] fp32; row i predicts the token after tokens[:len - logits + i + 1]
+    cached: int  # leading tokens reused from the session's cache
+    rows: int  # tokens computed for this session
+
+
+class CachedCausalLM:
+    """A transformers causal LM whose sessions keep their own KV buffers (:class:`SessionKV`).
+
+    :meth:`forward_batch` runs ONE forward pass over the new tokens of many sessions (a ragged,
+    packed batch; see specdec.ragged): each session reuses the longest common prefix of its cache
+    with the requested sequence, crops the rest (a length change, no copy) and computes only the
+    new suffix, at its own positions. :meth:`extend` is the single-session form. Callers hold
+    :attr:`lock` around either: one forward at a time per model.
     """
 
     def __init__(self, model: Any, store: SessionStore) -> None:
@@ -144,10 +164,14 @@ class CachedCausalLM:
         self.store = store
         self.lock = threading.Lock()
         self.vocab_size = int(model.config.vocab_size)
-        self.device = next(model.parameters()).device
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
         self._fast = _FastLinears.of(model)
-        self.bytes_per_token = self._measure_bytes_per_token()
+        self.geometry = kv_geometry(model)
+        layers, kv_heads, head_dim = self.geometry
+        self.bytes_per_token = 2 * layers * kv_heads * head_dim * param.element_size()
         self.model_max_context = max_context_of(model.config)
+        self._warm_up()
 
     @property
     def max_context(self) -> int:
@@ -156,59 +180,104 @@ class CachedCausalLM:
         problem (INVALID_ARGUMENT, HTTP 400), not a server fault."""
         return max(2, min(self.model_max_context, self.store.max_bytes // self.bytes_per_token))
 
-    def _measure_bytes_per_token(self) -> int:
-        """Run one token through the model (also warms it up) and read the cache size."""
-        with torch.inference_mode():
-            out = self.model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=self.device), use_cache=True)
-        return max(1, cache_nbytes(out.past_key_values) // 2)
+    def _warm_up(self) -> None:
+        """One forward through the batched path (the first call pays one-off set-up costs)."""
+        session = Session("warm-up", self._new_kv())
+        session.cache.ensure(2, 2)
+        self._forward([(session, 0, [0, 0], 1)])
+
+    def _new_kv(self) -> SessionKV:
+        return SessionKV(*self.geometry, self.dtype, self.device)
 
     def session(self, session_id: str) -> Session:
-        return self.store.get_or_create(session_id, lambda: None)
+        session = self.store.get_or_create(session_id, lambda: None)
+        if session.cache is None:
+            session.cache = self._new_kv()
+        return session
 
     def extend(self, session: Session, tokens: list[int], extra: Sequence[int] = ()) -> tuple[torch.Tensor, int]:
-        """Forward the uncached part of ``tokens + extra``.
+        """Forward the uncached part of ``tokens + extra`` for one session.
 
         Returns:
             logits: [len(extra) + 1, V] fp32; row i predicts the token after ``(tokens + extra)[:len(tokens) + i]``.
             cached: how many leading tokens were reused from the session's cache.
         """
-        full = tokens + list(extra)
-        # At least the last committed token is recomputed: its logits are needed.
-        cached = min(common_prefix_len(session.tokens, tokens), len(tokens) - 1)
-        # Room first: a refusal here leaves the session exactly as it was.
-        self.store.reserve(session, len(full) * self.bytes_per_token - session.nbytes)
-        cache = session.cache
-        try:
-            if cache is not None:
-                held = cache.get_seq_length()
-                if cached == 0:
-                    cache = None
-                elif held > cached:
-                    cache.crop(cached - held)
-            new = full[cached:]
-            with torch.inference_mode(), self._fast.active():
-                out = self.model(
-                    input_ids=torch.tensor([new], dtype=torch.long, device=self.device),
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=len(extra) + 1,
-                )
-        except BaseException:
-            # The cache may have been cropped or half-extended: it no longer matches
-            # session.tokens, and reusing it would give silently wrong logits. Start afresh.
-            session.cache = None
-            self.store.reset(session)
-            raise
-        session.cache = out.past_key_values
-        self.store.update(session, full, len(full) * self.bytes_per_token)
-        return out.logits[0].float(), cached
+        result = self.forward_batch([ForwardRequest(session, list(tokens) + list(extra), len(extra) + 1)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result.logits, result.cached
 
+    def forward_batch(self, requests: list[ForwardRequest]) -> list[ForwardResult | BaseException]:
+        """One forward pass over the new tokens of every request (distinct sessions).
 
-def cache_nbytes(cache: Any) -> int:
-    """Bytes held by a transformers cache's key/value tensors."""
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+        A request that cannot run (its KV reservation refused) gets its exception in its slot and
+        the others go ahead; a failed forward fails every request in it and resets their sessions
+        (their caches may be half-written), so the next call re-prefills instead of reusing them.
+        """
+        results: list[ForwardResult | BaseException | None] = [None] * len(requests)
+        plan: list[tuple[Session, int, list[int], int]] = []
+        where: list[int] = []
+        pinned = {r.session.session_id for r in requests}
+        for i, r in enumerate(requests):
+            session, tokens = r.session, r.tokens
+            if session.cache is None:
+                session.cache = self._new_kv()
+            kv: SessionKV = session.cache
+            # At least the tokens whose logits are wanted are recomputed.
+            cached = min(common_prefix_len(session.tokens, tokens), kv.length, len(tokens) - r.logits)
+            if cached == len(tokens):
+                results[i] = ForwardResult(None, cached, 0)
+                continue
+            try:
+                capacity = kv.capacity_for(len(tokens), self.max_context)
+                # Room first: a refusal here leaves the session exactly as it was.
+                self.store.reserve(session, capacity * self.bytes_per_token - session.nbytes, pinned)
+            except BaseException as exc:  # noqa: BLE001 - delivered to that request's caller
+                results[i] = exc
+                continue
+            kv.crop(cached)
+            kv.ensure(len(tokens), self.max_context)
+            self.store.update(session, tokens[:cached], kv.capacity * self.bytes_per_token)
+            plan.append((session, cached, tokens, r.logits))
+            where.append(i)
+        if plan:
+            try:
+                logits = self._forward(plan)
+            except BaseException as exc:
+                for session, *_ in plan:
+                    # The buffers may be half-written: they no longer match session.tokens.
+                    session.cache.clear()
+                    self.store.reset(session)
+                for i in where:
+                    results[i] = exc
+                return results  # type: ignore[return-value]
+            for i, (session, cached, tokens, _), out in zip(where, plan, logits, strict=True):
+                session.cache.length = len(tokens)
+                self.store.update(session, tokens, session.cache.capacity * self.bytes_per_token)
+                results[i] = ForwardResult(out, cached, len(tokens) - cached)
+        return results  # type: ignore[return-value]
+
+    def _forward(self, plan: list[tuple[Session, int, list[int], int]]) -> list[torch.Tensor | None]:
+        """The packed forward of ``plan``: (session, cached, tokens, logits wanted) per session."""
+        segments, ids, positions, keep, spans = [], [], [], [], []
+        offset = 0
+        for session, cached, tokens, want in plan:
+            new = tokens[cached:]
+            segments.append(Segment(session.cache, cached, len(new), offset))
+            ids.extend(new)
+            positions.extend(range(cached, len(tokens)))
+            offset += len(new)
+            spans.append((len(keep), want))
+            keep.extend(range(offset - want, offset))
+        batch = RaggedBatch(segments)
+        with torch.inference_mode(), self._fast.active(), ragged_attention_on(self.model):
+            out = self.model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+                past_key_values=batch,
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                specdec_batch=batch,
+            )
+        logits = out.logits[0].float() if keep else None
+        return [logits[first : first + want] if want else None for first, want in spans]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import signal
 import threading
 import time
@@ -20,7 +19,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specdec.errors import Cancelled, ResourceExhausted, SpecdecError, Unavailable
+from specdec.errors import SpecdecError
+from specdec.scheduler import ComputeThread
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +29,6 @@ RPC_LATENCY = Histogram(
     "Server-side duration of model-service RPCs.",
     ["service", "method", "code"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
-)
-COMPUTE_QUEUE = Histogram(
-    "specdec_compute_queue_seconds",
-    "Time a call waited for the compute thread.",
-    ["service"],
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
 )
 
 
@@ -156,85 +150,6 @@ def create_server(
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     return server, port, health_servicer
-
-
-class ComputeThread:
-    """Runs model compute on the thread that created it (the process's main thread).
-
-    torch forward passes issued from gRPC worker threads measured 2-2.7x slower than the same
-    calls on the thread that loaded the model (k = 0 verify: 91 ms against 34 ms, 2 threads), so
-    servicers hand compute to :meth:`run`, and the main thread executes it in :meth:`serve`. Calls
-    made on the owner thread itself (tests, tools) run inline.
-
-    At most ``max_queued`` calls wait or run at once; more get RESOURCE_EXHAUSTED at once, so a
-    flood never occupies every RPC worker (health and Info keep answering) and never builds an
-    unbounded backlog. A call whose RPC ends (deadline passed, client gone, server stopping) before
-    its turn is dropped unrun. :meth:`close` fails whatever is still queued, so shutdown never
-    leaves an RPC thread waiting forever.
-    """
-
-    def __init__(self, max_queued: int = 32, service: str = "") -> None:
-        self._owner = threading.get_ident()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._slots = threading.Semaphore(max_queued)
-        self.max_queued = max_queued
-        self._service = service
-        self._closed = False
-
-    def run(self, fn: Callable[..., Any], *args: Any, context: grpc.ServicerContext | None = None) -> Any:
-        """Run ``fn(*args)`` on the compute thread and return its result (raising its exception).
-
-        Raises ResourceExhausted when ``max_queued`` calls are already waiting, Unavailable when
-        the thread has stopped, Cancelled when ``context``'s RPC ended before the call ran.
-        """
-        if threading.get_ident() == self._owner:
-            return fn(*args)
-        if self._closed:
-            raise Unavailable("the service is shutting down")
-        if not self._slots.acquire(blocking=False):
-            raise ResourceExhausted(f"{self.max_queued} calls are already waiting for the model; retry shortly")
-        try:
-            done: futures.Future = futures.Future()
-            self._queue.put((fn, args, done, time.perf_counter()))
-            if context is not None and not context.add_callback(done.cancel):
-                done.cancel()  # the RPC had already ended
-            if self._closed:  # closed between the check above and the put: nobody will serve it
-                self._fail(done)
-            try:
-                return done.result()
-            except futures.CancelledError:
-                raise Cancelled("the call ended (deadline passed or client went away) before the model ran it") from None
-        finally:
-            self._slots.release()
-
-    def serve(self, stop: threading.Event) -> None:
-        """Execute submitted calls until ``stop`` is set (call on the owner thread)."""
-        while not stop.is_set():
-            try:
-                fn, args, done, queued_at = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if done.set_running_or_notify_cancel():
-                COMPUTE_QUEUE.labels(self._service).observe(time.perf_counter() - queued_at)
-                try:
-                    done.set_result(fn(*args))
-                except BaseException as exc:  # delivered to the waiting RPC thread
-                    done.set_exception(exc)
-
-    def close(self) -> None:
-        """Stop accepting calls and fail every queued one with UNAVAILABLE."""
-        self._closed = True
-        while True:
-            try:
-                _, _, done, _ = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            self._fail(done)
-
-    @staticmethod
-    def _fail(done: futures.Future) -> None:
-        if done.set_running_or_notify_cancel():
-            done.set_exception(Unavailable("the service is shutting down"))
 
 
 def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, compute: ComputeThread | None = None,

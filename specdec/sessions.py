@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +92,7 @@ class SessionStore:
             session = self._sessions.get(session_id)
             if session is None:
                 if len(self._sessions) >= self.max_sessions:
-                    self._evict_lru(keep=None)
+                    self._evict_lru(keep=())
                 session = Session(session_id=session_id, cache=factory())
                 self._sessions[session_id] = session
             else:
@@ -100,8 +100,9 @@ class SessionStore:
             session.last_used = time.monotonic()
             return session
 
-    def reserve(self, session: Session, extra_bytes: int) -> None:
-        """Make room for ``session`` to grow by ``extra_bytes``, evicting other sessions (LRU first).
+    def reserve(self, session: Session, extra_bytes: int, pinned: Collection[str] = ()) -> None:
+        """Make room for ``session`` to grow by ``extra_bytes``, evicting other sessions (LRU first)
+        but never one in ``pinned`` (the other sessions of the same batched forward).
 
         Raises ResourceExhausted when the session alone would exceed the budget.
         """
@@ -112,7 +113,7 @@ class SessionStore:
                     f"session needs {needed} bytes of KV cache, over the budget of {self.max_bytes} bytes"
                 )
             while self._nbytes + extra_bytes > self.max_bytes:
-                if not self._evict_lru(keep=session.session_id):
+                if not self._evict_lru(keep={session.session_id, *pinned}):
                     raise ResourceExhausted(
                         f"KV budget of {self.max_bytes} bytes is full and no other session can be evicted"
                     )
@@ -152,9 +153,9 @@ class SessionStore:
             logger.info("session %s idle for more than %.0f s, dropped", sid, self.ttl_s)
             self._remove(sid)
 
-    def _evict_lru(self, keep: str | None) -> bool:
+    def _evict_lru(self, keep: Collection[str]) -> bool:
         for sid in self._sessions:
-            if sid != keep:
+            if sid not in keep:
                 logger.info("evicting session %s (LRU)", sid)
                 self._remove(sid)
                 self.evictions += 1

@@ -31,10 +31,11 @@ class ModelServiceSettings(BaseSettings):
     session_ttl_s: float = Field(600, ge=0, description="Drop sessions idle this long (0 keeps them).")
     max_draft_tokens: int = Field(32, ge=1, le=256, description="Largest draft a request may ask for / verify.")
     workers: int = Field(
-        40, ge=5, description="gRPC worker threads; at least max_queued_calls + 4, so health and Info always find one."
+        136, ge=5, description="gRPC worker threads; at least max_queued_calls + 4, so health and Info always find one."
     )
     max_queued_calls: int = Field(
-        32, ge=1, description="Model calls waiting for or in compute at once; more get RESOURCE_EXHAUSTED (HTTP 429)."
+        128, ge=1,
+        description="Model calls waiting for or in compute at once (each stream has at most one); more get RESOURCE_EXHAUSTED.",
     )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
     cache_dir: Path = Field(default_factory=default_cache_dir, description="Where converted models are cached.")

@@ -6,7 +6,8 @@ import logging
 import time
 
 from specdec.runtime import TARGET_SPIN_COUNT, configure_torch, start_metrics
-from specdec.server import ComputeThread, configure_logging, serve_forever
+from specdec.scheduler import ComputeThread
+from specdec.server import configure_logging, serve_forever
 from specdec.sessions import SessionStore
 from target_service.settings import TargetSettings
 
@@ -27,7 +28,7 @@ def main() -> None:
     compute = ComputeThread(settings.max_queued_calls, "target")  # this (main) thread loads the model and runs every forward pass
     loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
     store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
-    engine = TargetEngine(loaded, store, settings.max_draft_tokens)
+    engine = TargetEngine(loaded, store, settings.max_draft_tokens, settings.max_batch_rows)
     server, port, health = build_server(engine, settings.address, settings.workers, compute, **security)
     start_metrics(settings.metrics_port)
     info = engine.info()

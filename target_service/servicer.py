@@ -8,7 +8,8 @@ import grpc
 from prometheus_client import Counter
 
 from specdec.convert import info_to_pb, sampling_from_pb
-from specdec.server import STORE_METRICS, ComputeThread, create_server, message_limits, rpc
+from specdec.scheduler import ComputeThread
+from specdec.server import STORE_METRICS, create_server, message_limits, rpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from target_service.engine import TargetEngine
@@ -43,7 +44,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             [(d.token_ids, d.probs) for d in request.draft_distributions],
             request.return_target_probs,
         )
-        result = self._run(context, self.engine.run, job)
+        result = self._compute.submit(self.engine, job, context) if self._compute else self.engine.run(job)
         STEPS.inc()
         VERIFIED.inc(len(job.draft))
         ACCEPTED.inc(result.num_accepted)
@@ -54,11 +55,14 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             next_token_prob=result.next_token_prob,
             cached_tokens=result.cached_tokens,
             compute_ns=result.compute_ns,
+            batch_sessions=result.batch_sessions,
+            batch_rows=result.batch_rows,
+            queue_ns=result.queue_ns,
         )
 
     @rpc(SERVICE)
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        return info_to_pb(self.engine.info())
+        return info_to_pb(self.engine.info(), self._compute.snapshot() if self._compute else None)
 
     @rpc(SERVICE)
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

@@ -15,3 +15,6 @@ class TargetSettings(ModelServiceSettings):
 
     port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 picks a free one).")
     metrics_port: int | None = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
+    max_batch_rows: int = Field(
+        256, ge=1, description="Token rows per batched forward pass; long prompts are prefilled in chunks within it."
+    )

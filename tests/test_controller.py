@@ -16,9 +16,9 @@ from orchestrator.controller import (
 )
 
 
-def step(k, proposed, accepted, draft_ms=10.0, verify_ms=40.0, warm=True):
+def step(k, proposed, accepted, draft_ms=10.0, verify_ms=40.0, warm=True, **load):
     return StepObservation(k=k, proposed=proposed, accepted=accepted, draft_ms=draft_ms, verify_ms=verify_ms,
-                           draft_compute_ms=draft_ms * 0.9, warm=warm)
+                           draft_compute_ms=draft_ms * 0.9, warm=warm, **load)
 
 
 def test_fixed_never_moves():
@@ -94,15 +94,15 @@ def test_cost_model_fits_verify_and_draft_lines():
     assert m.verify_ms(6) == pytest.approx(60, rel=1e-6)
     assert m.verify_ms(0) == pytest.approx(30, rel=1e-6)
     for k in (2, 4, 6):
-        m.observe_draft(k, 1.0 + 10.0 * k)
-    assert m.draft_ms(3) == pytest.approx(31.0, rel=1e-6) and m.draft_ms(0) == 0.0
+        m.observe_draft(k, 10.0 * k)
+    assert m.draft_ms(3) == pytest.approx(30.0, rel=1e-6) and m.draft_ms(0) == 0.0
 
 
 def test_draft_catch_up_is_not_a_per_token_cost():
     m = CostModel(decay=1.0)
-    m.observe_draft(4, 41.0)
+    m.observe_draft(4, 40.0)
     m.observe_draft(1, 400.0, catch_up=60)  # a probe after plain steps re-reads 60 tokens
-    assert m.draft_ms(4) == pytest.approx(41.0, rel=1e-6)
+    assert m.draft_ms(4) == pytest.approx(40.0, rel=1e-6)
 
 
 def test_cost_controller_resumes_drafting_when_probes_are_accepted():
@@ -136,3 +136,42 @@ def test_make_controller():
     assert isinstance(make_controller("cost", 4, 8), CostController)
     with pytest.raises(ValueError, match="unknown controller"):
         make_controller("magic", 4, 8)
+
+
+def _serve(c: CostController, steps: int, sessions: int, alpha_hits: bool = True) -> list[int]:
+    """Run ``steps`` steps of a controller at a load of ``sessions`` streams batched together,
+    with costs like the embedded pair on 2 cores: a verify pass costs 25 ms + 1.4 ms per row across
+    all sessions, a draft step 12 ms + 2 ms per session in it; everything is accepted."""
+    ks = []
+    for _ in range(steps):
+        k = c.next_k()
+        ks.append(k)
+        rows = sessions * (k + 1)
+        c.observe(step(k, k, k if alpha_hits else 0, draft_ms=k * (12 + 2.0 * sessions), verify_ms=25 + 1.4 * rows,
+                       verify_rows=rows, verify_sessions=sessions, draft_sessions=sessions))
+    return ks
+
+
+def test_cost_model_prices_rows_across_the_batch():
+    m = CostModel(decay=1.0, share_decay=0.0)
+    for rows, sessions in [(2, 1), (5, 1), (16, 8), (40, 8)]:
+        m.observe_verify(0, 25 + 1.4 * rows, rows=rows, sessions=sessions)
+    # the last pass had 8 sessions: a k of 4 means 8 x 5 rows
+    assert m.verify_ms(4) == pytest.approx(25 + 1.4 * 40, rel=1e-6)
+    assert m.verify_ms(0) == pytest.approx(25 + 1.4 * 8, rel=1e-6)
+    for sessions in (1, 8):
+        m.observe_draft(4, 4 * (12 + 2.0 * sessions), sessions=sessions)
+    assert m.draft_ms(3) == pytest.approx(3 * (12 + 2.0 * 8), rel=1e-6)
+
+
+def test_k_falls_as_the_load_rises():
+    """Shared costs: at one stream long drafts pay; with 32 streams in every pass the rows of a
+    draft cost more than its accepted tokens bring, and the controller decodes plainly."""
+    costs = CostModel()
+    alone = _serve(CostController(4, 8, costs), 30, sessions=1)
+    assert alone[-1] >= 4
+    busy = _serve(CostController(4, 8, costs, probe_every=1000), 60, sessions=32)
+    assert busy[-1] < alone[-1]
+    crowded = CostModel()
+    ks = _serve(CostController(4, 8, crowded, probe_every=1000), 60, sessions=64, alpha_hits=False)
+    assert ks[-1] == 0

@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec import sampling as sm
 from specdec.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
 from specdec.models import load_hf
-from specdec.server import STORE_METRICS, ComputeThread, message_limits
+from specdec.scheduler import ComputeThread
+from specdec.server import STORE_METRICS, message_limits
 from specdec.sessions import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -123,7 +124,7 @@ def test_a_failed_forward_resets_the_session(engine, monkeypatch):
         engine.verify("s", PROMPT[:5] + [6])  # crops to 5, then fails
     monkeypatch.setattr(type(model), "forward", original)
     session = engine.store.get_or_create("s", lambda: None)
-    assert session.tokens == [] and session.cache is None and engine.store.nbytes == 0
+    assert session.tokens == [] and session.cache.length == 0 and engine.store.nbytes == 0
     seq = PROMPT + [4, 4, 4]
     for want in ref:  # the next calls re-prefill and decode exactly the plain greedy tokens
         v = engine.verify("s", seq)
@@ -134,14 +135,15 @@ def test_a_failed_forward_resets_the_session(engine, monkeypatch):
 def test_a_refused_reservation_leaves_the_session_intact(engine):
     engine.verify("keep", PROMPT)
     session = engine.store.get_or_create("keep", lambda: None)
-    tokens, nbytes, held = list(session.tokens), session.nbytes, session.cache.get_seq_length()
-    engine.store.max_bytes = nbytes + engine.lm.bytes_per_token  # room for one more token only
+    tokens, nbytes, held = list(session.tokens), session.nbytes, session.cache.length
+    capacity = session.cache.capacity
+    engine.store.max_bytes = nbytes  # no room to grow the buffer
     try:
         with pytest.raises(ResourceExhausted):
-            engine.lm.extend(session, PROMPT + [1, 2, 3])
+            engine.lm.extend(session, PROMPT + [1] * capacity)
     finally:
         engine.store.max_bytes = 1 << 30
-    assert session.tokens == tokens and session.nbytes == nbytes and session.cache.get_seq_length() == held
+    assert session.tokens == tokens and session.nbytes == nbytes and session.cache.length == held
     assert engine.verify("keep", PROMPT + [1]).cached_tokens == len(PROMPT)
 
 
@@ -512,3 +514,33 @@ def test_orchestrator_prompt_over_the_target_kv_budget_is_400(tmp_path, tiny_mod
     finally:
         for p in (orch, draft, target):
             p.stop()
+
+
+async def test_a_busy_target_is_waited_for_then_reported_as_429(engine):
+    """RESOURCE_EXHAUSTED (a full queue) mid-stream is retried briefly; only a target that stays
+    full fails the request, as busy (HTTP 429), not as down."""
+    from orchestrator.controller import make_controller
+    from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, StepEvent, TargetBusy, generate
+
+    class Busy(_EngineTarget):
+        def __init__(self, engine, refusals: int) -> None:
+            super().__init__(engine)
+            self.refusals = refusals
+
+        async def verify(self, *args, **kwargs):
+            if self.refusals:
+                self.refusals -= 1
+                raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "128 calls are already waiting")
+            return await super().verify(*args, **kwargs)
+
+    limits = ModelLimits(engine.lm.max_context, 8, 1000, 8, set())
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=3, ignore_eos=True, mode="autoregressive")
+    target = Busy(engine, refusals=3)
+    events = [e async for e in generate(params, _OutOfVocabDraft(), target, make_controller("fixed", 0, 1, None),
+                                        limits, DraftHealth(1.0), lambda ids: "")]
+    assert [t for e in events if isinstance(e, StepEvent) for t in e.tokens] == greedy_reference(engine.lm.model, PROMPT, 3)
+    with pytest.raises(TargetBusy, match="busy"):
+        async for _ in generate(params, _OutOfVocabDraft(), Busy(engine, refusals=100),
+                                make_controller("fixed", 0, 1, None), limits, DraftHealth(1.0), lambda ids: ""):
+            pass

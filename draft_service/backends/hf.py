@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from draft_service.proposer import Proposal, Proposer, draft_loop
+from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
 from specdec import sampling as sm
-from specdec.engine import CachedCausalLM, ModelInfo, eos_ids
+from specdec.engine import CachedCausalLM, ForwardRequest, ModelInfo, eos_ids
 from specdec.models import LoadedModel, load_hf, tokenizer_fingerprint
+from specdec.scheduler import StepResult
 from specdec.sessions import SessionStore
 
 
@@ -45,18 +46,29 @@ class TransformersProposer(Proposer):
         with self.lm.lock:
             return super().release(session_id)
 
-    def _propose(self, session_id, tokens, k, threshold, sampling, return_distributions) -> Proposal:
+    def step(self, jobs: list[ProposeJob]) -> StepResult:
+        """One batched forward: every job (one per session) advances by one draft token; a job's
+        first step also computes the tokens its cache missed."""
+        chosen, outcomes = batch_of_distinct_sessions(jobs)
+        active, requests = [], []
         with self.lm.lock:
-            session = self.lm.session(session_id)
-            cached_first = -1
-
-            def next_probs(drafted: list[int]):
-                nonlocal cached_first
-                logits, cached = self.lm.extend(session, tokens + drafted)
-                if cached_first < 0:
-                    cached_first = cached
-                return sm.probabilities(logits[-1], sampling)
-
-            proposal = draft_loop(next_probs, k, len(tokens), threshold, sampling, self._eos, return_distributions)
-        proposal.cached_tokens = cached_first
-        return proposal
+            for i in chosen:
+                job = jobs[i]
+                if not job.begin(self.lm.max_context):
+                    outcomes[i] = job.proposal()
+                    continue
+                active.append(i)
+                requests.append(ForwardRequest(self.lm.session(job.session_id), job.tokens + job.drafted, 1))
+            results = self.lm.forward_batch(requests)
+        sessions = sum(1 for r in results if not isinstance(r, BaseException))
+        rows = sum(r.rows for r in results if not isinstance(r, BaseException))
+        for i, result in zip(active, results, strict=True):
+            job = jobs[i]
+            if isinstance(result, BaseException):
+                outcomes[i] = result
+                continue
+            if job.cached_tokens < 0:
+                job.cached_tokens = result.cached
+            if job.advance(sm.probabilities(result.logits[-1], job.sampling), self._eos, sessions):
+                outcomes[i] = job.proposal()
+        return StepResult(outcomes, sessions, rows)

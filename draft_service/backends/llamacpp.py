@@ -14,11 +14,12 @@ import threading
 import numpy as np
 import torch
 
-from draft_service.proposer import Proposal, Proposer, draft_loop
+from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
 from specdec import sampling as sm
 from specdec.engine import ModelInfo
 from specdec.errors import ResourceExhausted
 from specdec.models import gguf_tokenizer_fingerprint, resolve_gguf
+from specdec.scheduler import StepResult
 from specdec.sessions import Session, SessionStore, common_prefix_len
 
 logger = logging.getLogger(__name__)
@@ -114,65 +115,92 @@ class LlamaCppProposer(Proposer):
             self._free_slots.append(session.cache)
             session.cache = None
 
-    def _decode(self, slot: int, tokens: list[int], first_pos: int) -> None:
-        """Decode ``tokens`` at positions first_pos.. in sequence ``slot``; logits of the last only."""
+    def step(self, jobs: list[ProposeJob]) -> StepResult:
+        """One ``llama_decode`` over every job waiting (one per session, each its own sequence in
+        the shared KV pool): each job advances by one draft token; a job's first step also decodes
+        the tokens its sequence missed. Rows beyond the decode batch (``n_batch``) wait for the
+        next step, except a lone long prompt, which is decoded in several passes."""
+        chosen, outcomes = batch_of_distinct_sessions(jobs)
+        plan: list[tuple[int, Session, list[int], int]] = []  # (job index, session, sequence, cached)
+        used = 0
+        with self.lock:
+            pinned = {jobs[i].session_id for i in chosen}
+            for i in chosen:
+                job = jobs[i]
+                if not job.begin(self._info.max_context):
+                    outcomes[i] = job.proposal()
+                    continue
+                seq = job.tokens + job.drafted
+                session = self.store.get_or_create(job.session_id, lambda: None)
+                cached = min(common_prefix_len(session.tokens, seq), len(seq) - 1) if session.cache is not None else 0
+                new = len(seq) - cached
+                if used and used + new > self.n_batch:
+                    continue  # the decode batch is full: next step
+                try:
+                    if session.cache is None:
+                        if not self._free_slots:  # all slots held: the store's count bound makes this rare
+                            raise ResourceExhausted("no free llama.cpp sequence slot")
+                        session.cache = self._free_slots.pop()
+                        session.tokens = []
+                    # Room first: a refusal here leaves the sequence exactly as it was.
+                    self.store.reserve(session, len(seq) * self.bytes_per_token - session.nbytes, pinned)
+                except BaseException as exc:  # noqa: BLE001 - that job's error
+                    outcomes[i] = exc
+                    continue
+                self._ctx.kv_cache_seq_rm(session.cache, cached, -1)
+                self.store.update(session, seq[:cached], len(seq) * self.bytes_per_token)
+                plan.append((i, session, seq, cached))
+                used += new
+            if not plan:
+                return StepResult(outcomes)
+            try:
+                logits = self._decode(plan)
+            except BaseException as exc:
+                for i, session, _, _ in plan:
+                    # The sequence's contents are unknown after a failed decode: start it afresh next time.
+                    self._ctx.kv_cache_seq_rm(session.cache, -1, -1)
+                    self.store.reset(session)
+                    outcomes[i] = exc
+                return StepResult(outcomes)
+            for (i, session, seq, cached), row in zip(plan, logits, strict=True):
+                self.store.update(session, seq, len(seq) * self.bytes_per_token)
+                job = jobs[i]
+                if job.cached_tokens < 0:
+                    job.cached_tokens = cached
+                if job.advance(sm.probabilities(row, job.sampling), self._eos, len(plan)):
+                    outcomes[i] = job.proposal()
+        return StepResult(outcomes, len(plan), used)
+
+    def _decode(self, plan: list[tuple[int, Session, list[int], int]]) -> list[torch.Tensor]:
+        """Decode each planned sequence's new tokens (at their positions, in their own sequence);
+        return the logits after each one's last token."""
+        rows = [(session.cache, tok, pos, pos == len(seq) - 1)
+                for _, session, seq, cached in plan for pos, tok in enumerate(seq[cached:], start=cached)]
         b = self._batch.batch
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start : start + self.n_batch]
-            for i, tok in enumerate(chunk):
+        wanted: list[int] = []
+        for start in range(0, len(rows), self.n_batch):
+            chunk = rows[start : start + self.n_batch]
+            wanted = []
+            for i, (slot, tok, pos, last) in enumerate(chunk):
                 b.token[i] = tok
-                b.pos[i] = first_pos + start + i
+                b.pos[i] = pos
                 b.seq_id[i][0] = slot
                 b.n_seq_id[i] = 1
-                b.logits[i] = False
-            b.logits[len(chunk) - 1] = True
+                b.logits[i] = last
+                if last:
+                    wanted.append(i)
             b.n_tokens = len(chunk)
             rc = self._ll.llama_decode(self._ctx.ctx, b)
             if rc == 1:
-                raise ResourceExhausted("llama.cpp KV pool has no room for this sequence")
+                raise ResourceExhausted("llama.cpp KV pool has no room for these sequences")
             if rc != 0:
                 raise RuntimeError(f"llama_decode returned {rc}")
+        # Several passes happen only for a lone long sequence, whose one wanted row is in the last.
+        return [self._logits(i) for i in wanted]
 
-    def _last_logits(self) -> torch.Tensor:
-        ptr = self._ll.llama_get_logits_ith(self._ctx.ctx, -1)
+    def _logits(self, row: int) -> torch.Tensor:
+        ptr = self._ll.llama_get_logits_ith(self._ctx.ctx, row)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
-
-    def _extend(self, session: Session, tokens: list[int]) -> tuple[torch.Tensor, int]:
-        """Make the slot cover ``tokens``; return the logits after them and the reused prefix."""
-        if session.cache is None:
-            if not self._free_slots:  # all slots held: the store's count bound makes this rare
-                raise ResourceExhausted("no free llama.cpp sequence slot")
-            session.cache = self._free_slots.pop()
-            session.tokens = []
-        cached = min(common_prefix_len(session.tokens, tokens), len(tokens) - 1)
-        # Room first: a refusal here leaves the slot exactly as it was.
-        self.store.reserve(session, len(tokens) * self.bytes_per_token - session.nbytes)
-        try:
-            self._ctx.kv_cache_seq_rm(session.cache, cached, -1)
-            self._decode(session.cache, tokens[cached:], cached)
-        except BaseException:
-            # The slot's contents are unknown after a failed crop or decode: start it afresh next time.
-            self._ctx.kv_cache_seq_rm(session.cache, -1, -1)
-            self.store.reset(session)
-            raise
-        self.store.update(session, list(tokens), len(tokens) * self.bytes_per_token)
-        return self._last_logits(), cached
-
-    def _propose(self, session_id, tokens, k, threshold, sampling, return_distributions) -> Proposal:
-        with self.lock:
-            session = self.store.get_or_create(session_id, lambda: None)
-            cached_first = -1
-
-            def next_probs(drafted: list[int]) -> torch.Tensor:
-                nonlocal cached_first
-                logits, cached = self._extend(session, tokens + drafted)
-                if cached_first < 0:
-                    cached_first = cached
-                return sm.probabilities(logits, sampling)
-
-            proposal = draft_loop(next_probs, k, len(tokens), threshold, sampling, self._eos, return_distributions)
-        proposal.cached_tokens = cached_first
-        return proposal
 
 
 def _file_type(metadata: dict[str, str]) -> str:

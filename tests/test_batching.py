@@ -1,0 +1,167 @@
+"""Continuous batching: ragged forward passes over many sessions give the same results as one
+session at a time; the scheduler batches whatever waits, chunks long prefills, and keeps order."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from specdec import sampling as sm
+from specdec.engine import ForwardRequest
+from specdec.models import load_hf
+from specdec.scheduler import PENDING, ComputeThread
+from specdec.sessions import SessionStore
+from target_service.engine import TargetEngine
+from tests.conftest import greedy_reference
+
+ARCHS = ["gpt2", "llama"]
+PROMPTS = [[7, 3, 12, 5, 9, 20, 2, 11], [1, 2, 3], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 2, 3], [5]]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def loaded(tiny_models, request):
+    return load_hf(tiny_models[f"{request.param}-target"])
+
+
+def engine_of(loaded, max_batch_rows: int = 256) -> TargetEngine:
+    return TargetEngine(loaded, SessionStore(16, 1 << 30, 0), max_draft_tokens=8, max_batch_rows=max_batch_rows)
+
+
+def test_one_ragged_pass_equals_separate_passes(loaded):
+    """Sessions at different lengths, some extending a cache and some starting cold, in one pass."""
+    engine = engine_of(loaded)
+    lm = engine.lm
+    sessions = [lm.session(f"s{i}") for i in range(len(PROMPTS))]
+    lm.forward_batch([ForwardRequest(sessions[0], PROMPTS[0][:5], 1), ForwardRequest(sessions[2], PROMPTS[2][:9], 1)])
+    requests = [ForwardRequest(s, p + [4, 4], 3) for s, p in zip(sessions, PROMPTS, strict=True)]
+    results = lm.forward_batch(requests)
+    assert [r.cached for r in results] == [5, 0, 9, 0]
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        with torch.inference_mode():
+            ref = loaded.model(input_ids=torch.tensor([prompt + [4, 4]])).logits[0, -3:]
+        torch.testing.assert_close(result.logits, ref, rtol=1e-4, atol=1e-5)
+        assert result.logits.argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
+def test_batched_greedy_decoding_equals_plain_greedy(loaded):
+    """Every session decodes by repeated batched steps with drafts; each equals plain greedy."""
+    engine = engine_of(loaded)
+    refs = [greedy_reference(loaded.model, p, 10) for p in PROMPTS]
+    seqs = [list(p) for p in PROMPTS]
+    for step in range(6):
+        jobs = []
+        for i, seq in enumerate(seqs):
+            ref_next = refs[i][len(seq) - len(PROMPTS[i]):]
+            draft = ref_next[:2] + [0] if step % 2 else [1, 2]  # right drafts on odd steps, wrong on even
+            jobs.append(engine.prepare(f"g{i}", seq, draft[: max(0, min(3, len(ref_next) - 1))]))
+        result = engine.step(jobs)
+        assert result.sessions == len(jobs)
+        for i, (job, v) in enumerate(zip(jobs, result.outcomes, strict=True)):
+            assert v.batch_sessions == len(jobs) and v.batch_rows == result.rows
+            seqs[i] += job.draft[: v.num_accepted] + [v.next_token]
+    for seq, prompt, ref in zip(seqs, PROMPTS, refs, strict=True):
+        assert seq[len(prompt):] == ref[: len(seq) - len(prompt)]
+
+
+def test_long_prefill_is_chunked_and_short_jobs_go_first(loaded):
+    engine = engine_of(loaded, max_batch_rows=32)
+    long_prompt = [(i * 7) % 40 + 1 for i in range(80)]
+    jobs = [engine.prepare("long", long_prompt), engine.prepare("short", PROMPTS[0], [1, 2])]
+    first = engine.step(jobs)
+    assert first.outcomes[0] is PENDING and first.outcomes[1] is not PENDING  # the short one is served at once
+    steps = 1
+    while (outcome := engine.step(jobs[:1]).outcomes[0]) is PENDING:
+        steps += 1
+        assert steps < 20
+    assert steps == 2  # 80 tokens in three passes of at most 32 rows: 22 (beside the short job), 32, 26
+    assert outcome.next_token == greedy_reference(loaded.model, long_prompt, 1)[0]
+    assert engine.store.get_or_create("long", lambda: None).tokens == long_prompt
+
+
+def test_two_calls_on_one_session_never_share_a_pass(loaded):
+    engine = engine_of(loaded)
+    a = engine.prepare("same", PROMPTS[0])
+    b = engine.prepare("same", PROMPTS[0] + [3])
+    result = engine.step([a, b])
+    assert result.outcomes[0] is not PENDING and result.outcomes[1] is PENDING
+    assert engine.step([b]).outcomes[0].cached_tokens == len(PROMPTS[0])
+
+
+def test_sampling_in_a_batch_is_reproducible(loaded):
+    engine = engine_of(loaded)
+    s = sm.Sampling(temperature=0.8, seed=11)
+    alone = [engine.verify(f"alone{i}", p, sampling=s).next_token for i, p in enumerate(PROMPTS)]
+    batched = engine.step([engine.prepare(f"b{i}", p, sampling=s) for i, p in enumerate(PROMPTS)])
+    assert [v.next_token for v in batched.outcomes] == alone
+
+
+def test_scheduler_batches_what_waits(loaded):
+    """Calls from many threads meet in shared passes; every answer is the one it gets alone."""
+    engine = engine_of(loaded)
+    compute = ComputeThread(max_queued=16, service="test-batching")
+    stop = threading.Event()
+    expected = [engine.verify(f"ref{i}", p, [1, 2]) for i, p in enumerate(PROMPTS * 3)]
+
+    def call(i: int, prompt: list[int]):
+        return compute.submit(engine, engine.prepare(f"c{i}", prompt, [1, 2]))
+
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(call, i, p) for i, p in enumerate(PROMPTS * 3)]
+        pool.submit(lambda: [f.result() for f in futures] and stop.set())
+        compute.serve(stop)
+    got = [f.result() for f in futures]
+    assert [(v.num_accepted, v.next_token) for v in got] == [(v.num_accepted, v.next_token) for v in expected]
+    stats = compute.snapshot()
+    assert stats.calls == 12 and stats.forwards < 12 and stats.sessions == 12  # fewer passes than calls
+    assert max(v.batch_sessions for v in got) > 1
+    assert stats.rows == sum(len(p) + 2 for p in PROMPTS * 3)  # every session cold: its tokens and its draft
+
+
+# ---- drafting in batches ------------------------------------------------------------------------
+
+def _draft_all_in_steps(proposer, jobs):
+    """Step the jobs together until each has its proposal; returns (proposals, steps taken)."""
+    outcomes, steps = [PENDING] * len(jobs), 0
+    while any(o is PENDING for o in outcomes):
+        open_ = [i for i, o in enumerate(outcomes) if o is PENDING]
+        result = proposer.step([jobs[i] for i in open_])
+        steps += 1
+        for i, o in zip(open_, result.outcomes, strict=True):
+            outcomes[i] = o
+    return outcomes, steps
+
+
+def test_transformers_drafts_in_batches_equal_drafts_alone(tiny_models):
+    from draft_service.backends.hf import TransformersProposer
+
+    proposer = TransformersProposer(load_hf(tiny_models["llama-draft"]), SessionStore(16, 1 << 30, 0), 8)
+    asks = [(PROMPTS[0], 5, 0.0), (PROMPTS[1], 3, 0.0), (PROMPTS[2], 8, 0.5), (PROMPTS[3], 6, 0.0)]
+    alone = [proposer.propose(f"a{i}", p, k, t) for i, (p, k, t) in enumerate(asks)]
+    jobs = [proposer.prepare(f"b{i}", p, k, t) for i, (p, k, t) in enumerate(asks)]
+    together, steps = _draft_all_in_steps(proposer, jobs)
+    assert [p.tokens for p in together] == [p.tokens for p in alone]
+    assert [p.stop_reason for p in together] == [p.stop_reason for p in alone]
+    assert steps == max(len(p.tokens) for p in alone)  # k batched steps, not the sum of all drafts
+    assert together[0].batch_sessions > 1
+
+
+@pytest.mark.embedded
+def test_llamacpp_drafts_in_batches_equal_drafts_alone():
+    from draft_service.backends.llamacpp import LlamaCppProposer
+    from specdec.models import embedded_gguf_path
+
+    proposer = LlamaCppProposer(str(embedded_gguf_path()), 8, 64 << 20, 0, 16)
+    prompts = [[504, 1296, 3003, 4683, 359], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [9000, 42, 17], [360, 1080, 2300, 28]]
+    alone = [proposer.propose(f"a{i}", p, 6) for i, p in enumerate(prompts)]
+    jobs = [proposer.prepare(f"b{i}", p, 6) for i, p in enumerate(prompts)]
+    together, steps = _draft_all_in_steps(proposer, jobs)
+    # llama.cpp may sum a batch in another order than a single row; a draft that differs is only
+    # slower, never wrong, but on these prompts the greedy drafts agree
+    assert [p.tokens for p in together] == [p.tokens for p in alone]
+    assert steps == 6 and all(p.batch_sessions == 4 for p in together)
+    # the sequences stay separate: continuing one session reuses only its own cache
+    again = proposer.propose("b0", prompts[0] + together[0].tokens[:2], 2)
+    assert again.cached_tokens == len(prompts[0]) + 1
