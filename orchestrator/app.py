@@ -234,8 +234,10 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
     add_api_key_auth(app, settings)  # outermost: a request without a valid key is refused before its body is read
 
     from orchestrator.openai_api import router as openai_router
+    from orchestrator.server_stats import router as server_router
 
     app.include_router(openai_router)
+    app.include_router(server_router)  # GET /v1/server, and its background sampler
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict[str, str]:

@@ -26,7 +26,9 @@ class ModelServiceSettings(BaseSettings):
     )
     device: str = Field("cpu", description="torch device for the transformers backend.")
     threads: int = Field(0, ge=0, description="Compute threads; 0 uses all cores.")
-    max_sessions: int = Field(64, ge=1, description="Sessions kept in the KV cache store (LRU beyond).")
+    max_sessions: int = Field(
+        128, ge=1, description="Sessions kept in the KV cache store (LRU beyond); above the concurrent streams served."
+    )
     kv_budget_mb: float = Field(1024, gt=0, description="KV cache budget in MiB across sessions (LRU eviction).")
     session_ttl_s: float = Field(600, ge=0, description="Drop sessions idle this long (0 keeps them).")
     max_draft_tokens: int = Field(32, ge=1, le=256, description="Largest draft a request may ask for / verify.")

@@ -76,6 +76,8 @@ class FakeOrchestrator:
     def __init__(self) -> None:
         self.mode = "ok"  # ok | not_ready | bad_input | bad_prompt | mid_error | draft_failing | plain_differs
         self.requests: list[dict[str, Any]] = []
+        self.gets: list[tuple[str, str]] = []  # (path, authorization header) of every GET
+        self.server_body: dict[str, Any] | None = None  # body of /v1/server; None: 404, as an older orchestrator
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -93,6 +95,7 @@ class FakeOrchestrator:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
+                fake.gets.append((self.path, self.headers.get("authorization", "")))
                 ready = fake.mode != "not_ready"
                 reason = "" if ready else "target service at 127.0.0.1:1 unreachable: UNAVAILABLE"
                 if self.path == "/health":
@@ -104,6 +107,8 @@ class FakeOrchestrator:
                     self.reply(200, {"ready": ready, "reason": reason, "draft": INFO_MODEL, "target": INFO_MODEL,
                                      "draft_available": fake.mode != "draft_failing", "defaults": DEFAULTS,
                                      "has_chat_template": True})
+                elif self.path == "/v1/server" and fake.server_body is not None:
+                    self.reply(200, fake.server_body)
                 else:
                     self.reply(404, {"detail": "Not Found"})
 
@@ -159,6 +164,8 @@ def server():
 def fake(server, monkeypatch):
     server.mode = "ok"
     server.requests.clear()
+    server.gets.clear()
+    server.server_body = None
     monkeypatch.setenv("SPECDEC_UI_ORCHESTRATOR_URL", server.url)
     return server
 

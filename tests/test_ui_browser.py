@@ -1,22 +1,29 @@
 """The dashboard in a real browser against the real stack on the embedded default: type a prompt,
-watch the answer arrive, check each token's provenance is styled distinctly and the numbers show.
+watch the answer arrive, check each token's provenance is styled distinctly and the numbers show;
+then watch the Server tab while a generation runs.
 
 Needs Debian's chromium at /usr/bin/chromium (playwright drives it; it never downloads a browser).
-The screenshot is kept in the test's tmp dir (SPECDEC_UPDATE_DOCS=1 copies it to docs/dashboard.png).
+The screenshots are kept in the tests' tmp dirs (SPECDEC_UPDATE_DOCS=1 copies them to docs/dashboard.png
+and docs/server.png).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import ROOT, Proc, free_port, wait_http
 
 CHROMIUM = Path("/usr/bin/chromium")
 ANSWER_TIMEOUT_MS = 180_000  # another process may be using both cores
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync"]
 
 pytestmark = [
     pytest.mark.browser,
@@ -44,11 +51,7 @@ def test_dashboard_shows_speculation(dashboard, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"],
-        )
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 1000})
             page.set_default_timeout(60_000)
@@ -117,22 +120,61 @@ def test_dashboard_shows_speculation(dashboard, tmp_path):
             expect(page.get_by_text("finish: length")).to_be_visible()
             charts = page.get_by_test_id("stVegaLiteChart")
             expect(charts.nth(1)).to_be_visible()
-            # the page scrolls inside its main section: grow the window to all of it for the screenshot
-            height = page.evaluate("""() => Math.max(...['stMain', 'stSidebarContent'].map(
-                id => document.querySelector(`[data-testid=${id}]`)?.scrollHeight || 0))""")
-            page.set_viewport_size({"width": 1440, "height": max(1000, min(height + 40, 4000))})
-            page.wait_for_timeout(1500)  # let the charts redraw at the new size
-
             # Kept in the test's tmp dir (and under $SPECDEC_ARTIFACTS_DIR when set, e.g. by CI);
             # SPECDEC_UPDATE_DOCS=1 refreshes docs/dashboard.png.
-            shot = tmp_path / "dashboard.png"
-            page.screenshot(path=str(shot))
-            assert shot.stat().st_size > 10_000
-            if os.environ.get("SPECDEC_ARTIFACTS_DIR"):
-                artifacts = Path(os.environ["SPECDEC_ARTIFACTS_DIR"])
-                artifacts.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(shot, artifacts / "dashboard.png")
-            if os.environ.get("SPECDEC_UPDATE_DOCS") == "1":
-                shutil.copyfile(shot, ROOT / "docs" / "dashboard.png")
+            fit_and_keep(page, tmp_path / "dashboard.png")
         finally:
             browser.close()
+
+
+def fit_and_keep(page, shot: Path) -> None:
+    """Grow the window to the whole page (it scrolls inside its main section), take the screenshot,
+    keep it under $SPECDEC_ARTIFACTS_DIR when set, and in docs/ with SPECDEC_UPDATE_DOCS=1."""
+    height = page.evaluate("""() => Math.max(...['stMain', 'stSidebarContent'].map(
+        id => document.querySelector(`[data-testid=${id}]`)?.scrollHeight || 0))""")
+    page.set_viewport_size({"width": 1440, "height": max(1000, min(height + 40, 4000))})
+    page.wait_for_timeout(1500)  # let the charts redraw at the new size
+    page.screenshot(path=str(shot))
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("SPECDEC_ARTIFACTS_DIR"):
+        artifacts = Path(os.environ["SPECDEC_ARTIFACTS_DIR"])
+        artifacts.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, artifacts / shot.name)
+    if os.environ.get("SPECDEC_UPDATE_DOCS") == "1":
+        shutil.copyfile(shot, ROOT / "docs" / shot.name)
+
+
+def test_server_tab_while_generating(dashboard, embedded_stack, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    def generate() -> None:
+        httpx.post(embedded_stack["url"] + "/v1/generate", timeout=ANSWER_TIMEOUT_MS / 1e3, json={
+            "prompt": "List the planets of the solar system, one line each, with one fact about each.",
+            "max_tokens": 160, "ignore_eos": True, "controller": "fixed", "k": 4})  # drafts on every step
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        load = threading.Thread(target=generate, daemon=True)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(dashboard + "/?view=Server")  # the tab is bound to the URL
+            expect(page.get_by_role("tab", name="Server", selected=True)).to_be_visible()
+            expect(page.get_by_text("Model services")).to_be_visible()
+            load.start()
+            metric = page.get_by_test_id("stMetric")
+            streams = metric.filter(has_text="Active streams").get_by_test_id("stMetricValue")
+            expect(streams).to_have_text("1 / 64", timeout=ANSWER_TIMEOUT_MS)
+            page.wait_for_function("""() => {
+                const m = [...document.querySelectorAll('[data-testid=stMetric]')].find(e => e.innerText.includes('Tokens/s'));
+                return parseFloat(m?.querySelector('[data-testid=stMetricValue]')?.innerText) > 0;
+            }""", timeout=ANSWER_TIMEOUT_MS)
+            main = page.get_by_test_id("stMain")
+            for name in ("target", "draft"):  # up: model · backend · device
+                expect(main.get_by_text(re.compile(rf"{name}: .+ · "))).to_be_visible()
+            expect(page.get_by_test_id("stProgress").first).to_be_visible()
+            expect(page.get_by_test_id("stVegaLiteChart").nth(1)).to_be_visible()  # acceptance by position
+            fit_and_keep(page, tmp_path / "server.png")
+        finally:
+            browser.close()
+            load.join(ANSWER_TIMEOUT_MS / 1e3)

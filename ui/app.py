@@ -32,6 +32,7 @@ from ui.render import (  # noqa: E402
     service_states,
     tokens_html,
 )
+from ui.server_view import NO_SERVER_ROUTE, ServiceFigures, append_history, fmt, position_rows, service_figures  # noqa: E402
 from ui.settings import UISettings  # noqa: E402
 
 CONTROLLERS = ["cost", "acceptance", "hf", "fixed"]
@@ -41,6 +42,7 @@ CONTROLLER_HELP = (
     "'hf' is Hugging Face's +2/-1 rule; 'fixed' keeps k constant."
 )
 REFRESH_S = 0.25  # least time between two redraws of a streaming answer
+SERVER_REFRESH_S = 2.0  # how often the open Server tab asks for a new snapshot
 
 
 def main() -> None:
@@ -64,6 +66,17 @@ def main() -> None:
         "decides how many tokens land per target pass."
     )
     status_banner(status)
+    # Switching tabs reruns the page, so the Server tab polls only while it is open.
+    generate_tab, server_tab = st.tabs(["Generate", "Server"], key="view", bind="query-params")
+    with generate_tab:
+        generate_view(client, status, options)
+    if server_tab.open:
+        with server_tab:
+            st.fragment(server_view, run_every=SERVER_REFRESH_S)(client)
+
+
+def generate_view(client: OrchestratorClient, status: Status, options: dict[str, Any]) -> None:
+    """The Generate tab: legend, prompt, and the answer streaming in (or the last one, on reruns)."""
     st.html(legend_html())
 
     chat = st.radio("Input", ["Plain prompt", "Chat"], horizontal=True, key="input_style",
@@ -287,6 +300,91 @@ def show_generation(gen: Generation, compact: bool = False, live: bool = False) 
             st.dataframe(frame, hide_index=True)
         with st.expander("Output text"):
             st.text(gen.text)
+
+
+
+# ---- the Server tab ------------------------------------------------------------------------------
+
+def server_view(client: OrchestratorClient) -> None:
+    """The deployment live, from /v1/server; reruns by itself every SERVER_REFRESH_S."""
+    try:
+        snapshot = client.server()
+    except Rejected as exc:
+        if exc.status == 404:
+            st.warning(NO_SERVER_ROUTE)
+        else:
+            (st.warning if exc.status == 503 else st.error)(str(exc))
+        return
+    except OrchestratorError as exc:
+        st.error(str(exc))
+        return
+    history = append_history(st.session_state.get("server_history", []), time.time(), snapshot)
+    st.session_state["server_history"] = history
+    if not snapshot.get("ready", False):
+        st.warning(f"The orchestrator is up but not ready: {snapshot.get('reason') or 'no reason given'}.")
+
+    window = float(snapshot.get("window_s") or 0.0)
+    totals = snapshot.get("totals") or {}
+    cols = st.columns(5)
+    cols[0].metric("Active streams", f"{snapshot.get('active_streams', 0)} / {snapshot.get('max_concurrent_requests', '?')}",
+                   help="Generations in progress, and how many may run at once before requests get HTTP 429.")
+    cols[1].metric("Tokens/s", fmt(snapshot.get("tokens_per_second")),
+                   help="Tokens generated per second across all requests, over the window.")
+    cols[2].metric("Requests/s", fmt(snapshot.get("requests_per_second"), ".2f"),
+                   help="Generations finished per second, over the window.")
+    cols[3].metric("Acceptance rate", fmt(snapshot.get("acceptance_rate"), ".0%"),
+                   help="Accepted draft tokens over drafted tokens, over the window. Since start: "
+                        f"{fmt(totals.get('acceptance_rate'), '.0%')}.")
+    cols[4].metric("Mean k", fmt(snapshot.get("mean_k"), ".2f"),
+                   help="Mean draft length chosen per step (0 for plain steps), over the window.")
+    st.caption(f"Rates over the last {window:.0f} s (n/a: nothing happened in it). Since the orchestrator started: "
+               f"{totals.get('tokens', 0)} tokens, {totals.get('requests', 0)} generations, "
+               f"{totals.get('steps', 0)} target passes.")
+
+    left, right = st.columns(2)
+    with left:
+        st.markdown("**Tokens/s, last 5 minutes**")
+        frame = pd.DataFrame(history)
+        frame["seconds"] = (frame["t"] - history[-1]["t"]).round(1)  # 0 is now: no clock-time axis to read
+        st.line_chart(frame, x="seconds", y="tokens_per_s", height=240, color="#1971c2",
+                      x_label="seconds (0 = now)", y_label="tokens/s")
+    with right:
+        st.markdown("**Acceptance by draft position**")
+        rows = position_rows(snapshot)
+        if rows:
+            st.bar_chart(pd.DataFrame(rows), x="position", y=["recent", "since start"], stack=False, height=240,
+                         color=["#2b8a3e", "#adb5bd"], x_label="draft position (1 = first drafted token)",
+                         y_label="accepted share")
+            st.caption("Share of verified drafts whose token at that position was accepted: recent (the window) "
+                       "and since the orchestrator started.")
+        else:
+            st.caption("No draft token accepted yet.")
+
+    st.subheader("Model services")
+    services = snapshot.get("services") or {}
+    for column, name in zip(st.columns(2), ("target", "draft"), strict=True):
+        with column:
+            service_panel(service_figures(name, services.get(name) or {}))
+
+
+def service_panel(f: ServiceFigures) -> None:
+    icon = ":green[:material/check_circle:]" if f.up else ":red[:material/error:]"
+    st.markdown(f"{icon} **{f.name}**: {f.headline}")
+    if not f.up:
+        return
+    row = st.columns(3)
+    row[0].metric("Batch size", f.batch_sessions, help="Mean sessions per batched forward pass, over the window.")
+    row[1].metric("Rows / forward", f.batch_rows,
+                  help="Mean token rows per forward pass (new tokens across its sessions), over the window.")
+    row[2].metric("Forwards/s", f.forwards_per_second, help="Batched forward passes per second, over the window.")
+    row = st.columns(3)
+    row[0].metric("Queue", f.queue, help="Calls waiting for or in compute now / most that may wait.")
+    row[1].metric("Queue wait", f.queue_wait, help="Mean time from a call's arrival to its first forward pass.")
+    row[2].metric("Sessions", f.sessions, help="Sessions held in the KV cache.")
+    st.progress(f.busy, text=f.busy_text)
+    st.progress(f.kv, text=f.kv_text)
+    if not f.reported:
+        st.caption("This service reports no scheduler counters: batch, queue and busy figures are n/a.")
 
 
 main()

@@ -125,6 +125,20 @@ class OrchestratorClient:
         except Unreachable as exc:
             return Status(False, str(exc))
 
+    def server(self) -> dict[str, Any]:
+        """GET /v1/server, the deployment's live snapshot.
+
+        Raises Unreachable, or Rejected for an HTTP error (404: an orchestrator without the route).
+        """
+        response = self._get("/v1/server")
+        if response.status_code != 200:
+            detail = _json(response).get("detail", response.text or response.reason_phrase)
+            raise Rejected(response.status_code, describe_detail(detail))
+        body = _json(response)
+        if not body:
+            raise OrchestratorError(f"The orchestrator at {self.base_url} sent an unreadable /v1/server answer.")
+        return body
+
     def stream(self, body: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
         """POST /v1/generate/stream: ("step", event) per iteration, then ("done", result).
 
