@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from specdec import sampling as sm
 from specdec.engine import ModelInfo, validate_context, validate_session_id, validate_tokens
 from specdec.errors import InvalidArgument
-from specdec.scheduler import PENDING, StepResult
+from specdec.scheduler import PENDING, StepResult, run_alone
 from specdec.sessions import SessionStore
 
 
@@ -141,19 +141,11 @@ class Proposer(abc.ABC):
         validate_session_id(session_id)
         return self.store.release(session_id)
 
-    def propose(
-        self,
-        session_id: str,
-        tokens: Sequence[int],
-        max_draft_tokens: int,
-        confidence_threshold: float = 0.0,
-        sampling: sm.Sampling = sm.Sampling(),
-        return_distributions: bool = False,
-    ) -> Proposal:
-        """Propose up to ``max_draft_tokens`` tokens after ``tokens``; stop early at the first token
-        whose confidence is below ``confidence_threshold`` (that token is included)."""
-        return self.run(self.prepare(session_id, tokens, max_draft_tokens, confidence_threshold, sampling,
-                                     return_distributions))
+    def propose(self, *args, **kwargs) -> Proposal:
+        """Propose up to ``max_draft_tokens`` tokens after ``tokens`` on the calling thread (the
+        arguments of :meth:`prepare`); drafting stops early at the first token whose confidence is
+        below ``confidence_threshold`` (that token is included)."""
+        return self.run(self.prepare(*args, **kwargs))
 
     def prepare(
         self,
@@ -182,12 +174,7 @@ class Proposer(abc.ABC):
 
     def run(self, job: ProposeJob) -> Proposal:
         """Draft for one validated request on its own (step after step)."""
-        while True:
-            outcome = self.step([job]).outcomes[0]
-            if outcome is not PENDING:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                return outcome
+        return run_alone(self, job)
 
     def step(self, jobs: list[ProposeJob]) -> StepResult:
         """Advance every job; the default drafts each job whole with :meth:`_propose` (backends

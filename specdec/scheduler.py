@@ -78,6 +78,16 @@ class Batcher(Protocol):
         """One batched forward over ``jobs`` (oldest first, distinct sessions not guaranteed)."""
 
 
+def run_alone(batcher: Batcher, job: Any) -> Any:
+    """Run one job to its end, step after step, on the calling thread (tests, tools, no scheduler)."""
+    while True:
+        outcome = batcher.step([job]).outcomes[0]
+        if outcome is not PENDING:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+
+
 @dataclass
 class SchedulerStats:
     """Counters since start (see SchedulerStats in the proto)."""
@@ -148,12 +158,7 @@ class ComputeThread:
         On the owner thread the job runs alone, step after step, inline.
         """
         if threading.get_ident() == self._owner:
-            while True:
-                outcome = batcher.step([job]).outcomes[0]
-                if outcome is not PENDING:
-                    if isinstance(outcome, BaseException):
-                        raise outcome
-                    return outcome
+            return run_alone(batcher, job)
         return self._wait(_Item(futures.Future(), time.perf_counter_ns(), batcher=batcher, job=job, context=context))
 
     def _wait(self, item: _Item) -> Any:

@@ -22,7 +22,7 @@ from specdec.engine import (
 )
 from specdec.errors import InvalidArgument
 from specdec.models import LoadedModel, tokenizer_fingerprint
-from specdec.scheduler import PENDING, StepResult
+from specdec.scheduler import PENDING, StepResult, run_alone
 from specdec.sessions import SessionStore, common_prefix_len
 
 logger = logging.getLogger(__name__)
@@ -105,31 +105,15 @@ class TargetEngine:
         with self.lm.lock:
             return self.store.release(session_id)
 
-    def verify(
-        self,
-        session_id: str,
-        tokens: Sequence[int],
-        draft: Sequence[int] = (),
-        sampling: sm.Sampling = sm.Sampling(),
-        draft_distributions: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
-        return_target_probs: bool = False,
-    ) -> Verification:
-        """Verify ``draft`` after ``tokens`` in one forward pass.
-
-        ``draft_distributions`` are the draft's q (sparse, one per draft token), required when
-        sampling with a non-empty draft.
-        """
-        job = self.prepare(session_id, tokens, draft, sampling, draft_distributions, return_target_probs)
-        return self.run(job)
+    def verify(self, *args, **kwargs) -> Verification:
+        """Verify ``draft`` after ``tokens`` in one forward pass, on the calling thread: the
+        arguments of :meth:`prepare` (``draft_distributions`` are the draft's q, sparse, one per
+        draft token, required when sampling with a non-empty draft)."""
+        return self.run(self.prepare(*args, **kwargs))
 
     def run(self, job: VerifyJob) -> Verification:
         """Verify one prepared job on its own (step after step, for a long prompt's chunks)."""
-        while True:
-            outcome = self.step([job]).outcomes[0]
-            if outcome is not PENDING:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                return outcome
+        return run_alone(self, job)
 
     def prepare(
         self,
