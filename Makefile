@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup run test test-fast proto docs docker lint bench clean-cache
+.PHONY: setup run test test-fast test-reliability test-reliability-ci proto docs docker lint bench bench-load clean-cache
 
 setup: $(STAMP)
 
@@ -23,12 +23,20 @@ $(STAMP): pyproject.toml scripts/install_llamacpp.sh
 run: setup
 	$(PY) -m specdec.launch
 
-## The test suite (what CI runs).
+## The test suite (what CI runs), without the long reliability suite below.
 test: setup
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra -m "not reliability"
 
 test-fast: setup
-	$(PY) -m pytest -ra -m "not embedded and not browser"
+	$(PY) -m pytest -ra -m "not embedded and not browser and not reliability"
+
+## The reliability suite: HTTP and gRPC fuzzing, fault injection, a 16-client soak (docs/reliability.md).
+test-reliability: setup
+	$(PY) -m pytest -ra tests/reliability
+
+## Its CI form: the same with a 30 s soak (SPECDEC_SOAK_SECONDS overrides).
+test-reliability-ci: setup
+	SPECDEC_SOAK_SECONDS=$${SPECDEC_SOAK_SECONDS:-30} $(PY) -m pytest -ra tests/reliability
 
 ## Regenerate the gRPC stubs from proto/ (tests fail when they are stale).
 proto:
@@ -46,6 +54,10 @@ lint:
 
 bench: setup
 	$(PY) -m evaluation.bench
+
+## Throughput and latency under concurrent load (closed loop N = 1…32, both modes; see docs/benchmarks.md).
+bench-load: setup
+	$(PY) -m evaluation.load
 
 clean-cache:
 	rm -rf $${SPECDEC_CACHE_DIR:-$$HOME/.cache/specdec}/models

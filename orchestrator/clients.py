@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
 from prometheus_client import Histogram
 
 from specdec import params as sm
@@ -83,8 +85,19 @@ class _Client:
         return await self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
 
     async def release(self, session_id: str) -> bool:
-        response = await self.stub.Release(pb.ReleaseRequest(session_id=session_id), timeout=2.0)
-        return response.released
+        # Release waits for the compute thread, behind batched steps that may include long
+        # prefills: a generous deadline and one retry, so a busy service still frees the session now
+        # rather than at its idle TTL.
+        for attempt in (1, 2):
+            try:
+                response = await self.stub.Release(pb.ReleaseRequest(session_id=session_id), timeout=10.0)
+                return response.released
+            except grpc.aio.AioRpcError as exc:
+                if attempt == 2 or exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                      grpc.StatusCode.UNAVAILABLE):
+                    raise
+                await asyncio.sleep(0.5)
+        return False
 
     async def close(self) -> None:
         await self.channel.close()

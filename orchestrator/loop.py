@@ -409,4 +409,4 @@ async def _release(clients: list, session_id: str, inflight: asyncio.Future | No
         try:
             await client.release(session_id)
         except Exception as exc:  # the session will expire by TTL anyway
-            logger.debug("release of %s on %s failed: %s", session_id, client.service, exc)
+            logger.info("release of %s on %s failed (its idle TTL will free it): %s", session_id, client.service, exc)

@@ -112,6 +112,66 @@ def rpc(service: str) -> Callable:
     return wrap
 
 
+class _Malformed:
+    """Stands in for a request whose bytes do not parse (see :class:`MalformedRequests`)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _safe(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the client's malformed message
+            return _Malformed(exc)
+
+    return parse
+
+
+def _reject(context: grpc.ServicerContext, request: _Malformed) -> None:
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {type(request.error).__name__}")
+
+
+class MalformedRequests(grpc.ServerInterceptor):
+    """INVALID_ARGUMENT for request bytes that do not parse as the method's message (grpc-python
+    itself answers INTERNAL "Exception deserializing request!", as if the server were broken).
+    Wraps every handler, the standard health and reflection services included."""
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary or handler.unary_stream:
+            inner = handler.unary_unary or handler.unary_stream
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                if isinstance(request, _Malformed):
+                    _reject(context, request)
+                return inner(request, context)
+
+            make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.unary_stream_rpc_method_handler
+            return make(unary, request_deserializer=_safe(handler.request_deserializer),
+                        response_serializer=handler.response_serializer)
+        inner = handler.stream_unary or handler.stream_stream
+
+        def checked(requests: Iterable[Any], context: grpc.ServicerContext) -> Iterable[Any]:
+            for request in requests:
+                if isinstance(request, _Malformed):
+                    _reject(context, request)
+                yield request
+
+        def streaming(requests: Iterable[Any], context: grpc.ServicerContext) -> Any:
+            return inner(checked(requests, context), context)
+
+        make = grpc.stream_unary_rpc_method_handler if handler.stream_unary else grpc.stream_stream_rpc_method_handler
+        return make(streaming, request_deserializer=_safe(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)
+
+
 def create_server(
     register: Callable[[grpc.Server], None],
     service_names: Iterable[str],
@@ -137,7 +197,8 @@ def create_server(
             ("grpc.max_send_message_length", message_limits[1]),
         ],
         maximum_concurrent_rpcs=2 * max_workers,
-        interceptors=list(interceptors),
+        # innermost last: auth (outer) answers UNAUTHENTICATED before a malformed body is reported
+        interceptors=[*interceptors, MalformedRequests()],
     )
     register(server)
     health_servicer = health.HealthServicer()

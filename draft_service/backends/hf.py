@@ -59,7 +59,14 @@ class TransformersProposer(Proposer):
                     continue
                 active.append(i)
                 requests.append(ForwardRequest(self.lm.session(job.session_id), job.tokens + job.drafted, 1))
-            results = self.lm.forward_batch(requests)
+            # Greedy jobs share a pass; each sampling job runs alone, so a seeded request's draft
+            # probabilities (and so its output) never depend on the batch around it.
+            greedy = [n for n, i in enumerate(active) if jobs[i].sampling.greedy]
+            groups = ([greedy] if greedy else []) + [[n] for n, i in enumerate(active) if not jobs[i].sampling.greedy]
+            results: list = [None] * len(active)
+            for group in groups:
+                for n, result in zip(group, self.lm.forward_batch([requests[n] for n in group]), strict=True):
+                    results[n] = result
         sessions = sum(1 for r in results if not isinstance(r, BaseException))
         rows = sum(r.rows for r in results if not isinstance(r, BaseException))
         for i, result in zip(active, results, strict=True):

@@ -154,7 +154,7 @@ class LlamaCppProposer(Proposer):
             if not plan:
                 return StepResult(outcomes)
             try:
-                logits = self._decode(plan)
+                logits = self._decode_groups(plan, jobs)
             except BaseException as exc:
                 for i, session, _, _ in plan:
                     # The sequence's contents are unknown after a failed decode: start it afresh next time.
@@ -170,6 +170,19 @@ class LlamaCppProposer(Proposer):
                 if job.advance(sm.probabilities(row, job.sampling), self._eos, len(plan)):
                     outcomes[i] = job.proposal()
         return StepResult(outcomes, len(plan), used)
+
+    def _decode_groups(self, plan: list[tuple[int, Session, list[int], int]], jobs: list[ProposeJob]) -> list[torch.Tensor]:
+        """Greedy jobs share one decode; each sampling job is decoded on its own. llama.cpp's batched
+        kernels change a sequence's logits with the batch around it (draft probabilities moved by up to
+        0.06 on the embedded model), which never changes a greedy output but would make a seeded
+        sampling request's draws, and so its output, depend on the load."""
+        greedy = [p for p in plan if jobs[p[0]].sampling.greedy]
+        groups = ([greedy] if greedy else []) + [[p] for p in plan if not jobs[p[0]].sampling.greedy]
+        logits: dict[int, torch.Tensor] = {}
+        for group in groups:
+            for p, row in zip(group, self._decode(group), strict=True):
+                logits[p[0]] = row
+        return [logits[p[0]] for p in plan]
 
     def _decode(self, plan: list[tuple[int, Session, list[int], int]]) -> list[torch.Tensor]:
         """Decode each planned sequence's new tokens (at their positions, in their own sequence);
