@@ -171,8 +171,20 @@ class TargetEngine:
             waiting_prefill = any(n is not None and n[2] > VERIFY_SIZED_ROWS for n in needs)
             budget = self.max_batch_rows - (MIN_PREFILL_CHUNK if waiting_prefill else 0)
             planned: set[int] = set()
+            solo: list[tuple[int, ForwardRequest]] = []
+            for i, need in enumerate(needs):  # 0. sampling jobs: each alone, as if nothing else waited
+                if need is None or jobs[i].sampling.greedy:
+                    continue
+                planned.add(i)
+                session, cached, rows = need
+                job = jobs[i]
+                if rows <= self.max_batch_rows:
+                    solo.append((i, ForwardRequest(session, job.tokens + job.draft, len(job.draft) + 1)))
+                else:
+                    end = min(cached + self.max_batch_rows, len(job.tokens) - 1)
+                    solo.append((i, ForwardRequest(session, job.tokens[:end], 0)))
             for i, need in enumerate(needs):  # 1. verify-sized work, oldest first
-                if need is not None and need[2] <= VERIFY_SIZED_ROWS and need[2] <= budget:
+                if need is not None and i not in planned and need[2] <= VERIFY_SIZED_ROWS and need[2] <= budget:
                     job = jobs[i]
                     plan.append((i, ForwardRequest(need[0], job.tokens + job.draft, len(job.draft) + 1)))
                     planned.add(i)
@@ -192,9 +204,16 @@ class TargetEngine:
                     plan.append((i, ForwardRequest(session, job.tokens[:end], 0)))
                     budget -= end - cached
             now = time.perf_counter_ns()
-            for i, _ in plan:
+            for i, _ in plan + solo:
                 jobs[i].started_ns = jobs[i].started_ns or now
-            results = self.lm.forward_batch([request for _, request in plan])
+            # Greedy jobs share one pass. A batched pass may round a row's logits differently
+            # from a pass alone (harmless for argmax, but it moves a seeded sampling request's
+            # acceptance tests), so each sampling job gets a pass of its own, chunked as if alone:
+            # its output is then the same under any load.
+            results = self.lm.forward_batch([request for _, request in plan]) if plan else []
+            for item in solo:
+                results += self.lm.forward_batch([item[1]])
+                plan.append(item)
         rows = sum(r.rows for r in results if not isinstance(r, BaseException))
         ran = sum(1 for r in results if not isinstance(r, BaseException) and r.rows)
         for (i, request), result in zip(plan, results, strict=True):
