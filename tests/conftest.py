@@ -86,6 +86,7 @@ def greedy_reference(model, tokens: list[int], n: int) -> list[int]:
 
 # ---- real processes on real ports --------------------------------------------------------------
 
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -183,20 +184,28 @@ def start_orchestrator(draft_port: int, target_port: int, log_dir: Path, env: di
     return proc, url
 
 
-@pytest.fixture(scope="session")
-def embedded_stack(tmp_path_factory):
-    """draft (llama.cpp) + target + orchestrator on the embedded default, as real processes."""
-    log_dir = tmp_path_factory.mktemp("stack-logs")
+@contextlib.contextmanager
+def running_stack(log_dir: Path, orchestrator_env: dict[str, str] | None = None):
+    """draft (llama.cpp) + target + orchestrator on the embedded default, as real processes;
+    stopped (newest first) on exit."""
     procs: list[Proc] = []
     try:
         draft, draft_port = start_model_service("draft", log_dir)
         procs.append(draft)
         target, target_port = start_model_service("target", log_dir)
         procs.append(target)
-        orch, url = start_orchestrator(draft_port, target_port, log_dir)
+        orch, url = start_orchestrator(draft_port, target_port, log_dir, orchestrator_env)
         procs.append(orch)
         yield {"url": url, "draft": draft, "target": target, "orchestrator": orch,
-               "draft_port": draft_port, "target_port": target_port, "log_dir": log_dir}
+               "draft_port": draft_port, "target_port": target_port, "log_dir": log_dir,
+               "ports": {"draft": draft_port, "target": target_port}}
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded_stack(tmp_path_factory):
+    """The embedded stack shared by the end-to-end tests."""
+    with running_stack(tmp_path_factory.mktemp("stack-logs")) as stack:
+        yield stack

@@ -544,3 +544,24 @@ async def test_a_busy_target_is_waited_for_then_reported_as_429(engine):
         async for _ in generate(params, _OutOfVocabDraft(), Busy(engine, refusals=100),
                                 make_controller("fixed", 0, 1, None), limits, DraftHealth(1.0), lambda ids: ""):
             pass
+
+
+def test_undecodable_requests_are_invalid_argument_and_auth_comes_first(engine):
+    """grpc-python answers INTERNAL ("Exception deserializing request!") for bytes that do not parse,
+    as if the server were broken; every method, health included, now says INVALID_ARGUMENT, and a
+    server with a token still says UNAUTHENTICATED first."""
+    from specdec.auth import TokenAuth
+
+    for interceptors, want in (([], grpc.StatusCode.INVALID_ARGUMENT), ([TokenAuth("t")], grpc.StatusCode.UNAUTHENTICATED)):
+        server, port, _ = build_target(engine, "127.0.0.1:0", interceptors=interceptors)
+        server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for method, expected in (("/specdec.v1.TargetService/Verify", want),
+                                         ("/grpc.health.v1.Health/Check", grpc.StatusCode.INVALID_ARGUMENT)):
+                    call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+                    with pytest.raises(grpc.RpcError) as err:
+                        call(b"\xff\xff\xff", timeout=10)
+                    assert err.value.code() == expected, (method, err.value.details())
+        finally:
+            server.stop(0)

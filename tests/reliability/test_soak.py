@@ -14,7 +14,6 @@ import collections
 import json
 import logging
 import random
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.conftest import Proc, start_model_service, start_orchestrator
+from evaluation.stats import percentile
+from tests.conftest import running_stack
 from tests.reliability.helpers import env_float, env_int, rss_kib, summarize, wait_released, write_report
 from tests.test_orchestrator import PROMPTS, iter_sse
 
@@ -217,27 +217,8 @@ def traffic(url: str, clients: int, seconds: float, tally: Tally, seed: int) -> 
 
 @pytest.fixture(scope="module")
 def soak_stack(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("soak-stack")
-    procs: list[Proc] = []
-    try:
-        draft, draft_port = start_model_service("draft", log_dir)
-        procs.append(draft)
-        target, target_port = start_model_service("target", log_dir)
-        procs.append(target)
-        # DEBUG: a failed session release is logged at that level, and a leak needs that line
-        orch, url = start_orchestrator(draft_port, target_port, log_dir, env={"SPECDEC_ORCHESTRATOR_LOG_LEVEL": "DEBUG"})
-        procs.append(orch)
-        yield {"url": url, "draft": draft, "target": target, "orchestrator": orch,
-               "ports": {"draft": draft_port, "target": target_port}}
-    finally:
-        for p in reversed(procs):
-            p.stop()
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else values[0]
+    with running_stack(tmp_path_factory.mktemp("soak-stack")) as stack:
+        yield stack
 
 
 def test_soak_mixed_traffic(soak_stack):
