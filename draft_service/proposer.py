@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from specdec import sampling as sm
 from specdec.engine import ModelInfo, validate_context, validate_session_id, validate_tokens
 from specdec.errors import InvalidArgument
-from specdec.scheduler import PENDING, StepResult, run_alone
+from specdec.scheduler import PENDING, CpuAccounted, StepResult, run_alone
 from specdec.sessions import SessionStore
 
 
@@ -34,7 +34,7 @@ class StopReason(enum.Enum):
 
 
 @dataclass
-class ProposeJob:
+class ProposeJob(CpuAccounted):
     """A validated Propose request, ready for the compute thread."""
 
     session_id: str
@@ -113,6 +113,7 @@ class Proposal:
     batch_sessions: float = 1.0  # mean sessions per batched step it took part in
     steps: int = 0  # forward steps it took part in
     queue_ns: int = 0
+    step_cpu_ns: int = 0  # set by the scheduler: mean process CPU time per step it was in
 
 
 class Proposer(abc.ABC):

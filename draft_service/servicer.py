@@ -52,6 +52,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             batch_sessions=result.batch_sessions,
             steps=result.steps,
             queue_ns=result.queue_ns,
+            step_cpu_ns=result.step_cpu_ns,
         )
 
     @rpc(SERVICE)

@@ -36,9 +36,11 @@ from orchestrator.loop import (
     TargetUnavailable,
     generate,
 )
+from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.schemas import GenerateRequest, GenerateResponse, SpeculationParams, Step
 from orchestrator.settings import OrchestratorSettings
 from specdec import params as sm
+from specdec import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ class Runtime:
     """Process-wide state of the orchestrator."""
 
     settings: OrchestratorSettings
-    draft: DraftClient
-    target: TargetClient
+    draft: DraftPool
+    target: TargetPool
     draft_health: DraftHealth
     costs: CostModel = field(default_factory=CostModel)
     tokenizer: Any = None
@@ -113,6 +115,9 @@ async def connect(rt: Runtime) -> None:
             rt.not_ready = f"tokenizer {spec!r} does not match the target's ({target.model_id})"
             return
         rt.tokenizer = tokenizer
+    own = runtime.host_id(), runtime.cpu_cores()
+    rt.costs.set_hosts((target.host_id, target.cpu_cores) if target.host_id else None,
+                       (draft.host_id, draft.cpu_cores) if draft is not None and draft.host_id else None, own)
     rt.limits = ModelLimits(
         target_max_context=target.max_context,
         target_max_draft=target.max_draft_tokens,
@@ -207,12 +212,20 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         rt = Runtime(
             settings=settings,
-            draft=DraftClient(settings.draft_address, settings.draft_timeout_s, grpc_security(settings)),
-            target=TargetClient(settings.target_address, settings.target_timeout_s, grpc_security(settings)),
+            draft=DraftPool(settings.draft_address,
+                            lambda address, security: DraftClient(address, settings.draft_timeout_s, security),
+                            grpc_security(settings), settings.replica_resolve_interval_s,
+                            settings.replica_probe_interval_s),
+            target=TargetPool(settings.target_address,
+                              lambda address, security: TargetClient(address, settings.target_timeout_s, security),
+                              grpc_security(settings), settings.replica_resolve_interval_s,
+                              settings.replica_probe_interval_s),
             draft_health=DraftHealth(settings.draft_retry_s),
         )
         app.state.rt = rt
         await connect(rt)
+        rt.draft.start()
+        rt.target.start()
         task = asyncio.create_task(_keep_connected(rt))
         logger.info("orchestrator: draft %s, target %s, %s", settings.draft_address, settings.target_address,
                     "ready" if not rt.not_ready else f"not ready: {rt.not_ready}")
@@ -249,7 +262,8 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         """Both model services reachable and compatible (re-checked on every call)."""
         rt: Runtime = request.app.state.rt
         await connect(rt)
-        body = {"ready": not rt.not_ready, "reason": rt.not_ready, "draft": rt.draft_info, "target": rt.target_info}
+        body = {"ready": not rt.not_ready, "reason": rt.not_ready, "draft": rt.draft_info, "target": rt.target_info,
+                "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()}}
         return JSONResponse(body, status_code=200 if not rt.not_ready else 503)
 
     @app.get("/metrics", tags=["ops"])
@@ -267,6 +281,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
             "draft": rt.draft_info,
             "target": rt.target_info,
             "draft_available": rt.draft_health.usable(),
+            "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()},
             "defaults": {
                 "controller": settings.default_controller, "k": settings.default_k, "max_k": settings.default_max_k,
                 "confidence_threshold": settings.default_confidence_threshold,
@@ -329,6 +344,7 @@ class Run:
             return
         self.released = True
         self.rt.active -= 1
+        self.rt.costs.streams = max(self.rt.active, 1)
         if self.key is not None:
             left = self.rt.active_per_key.get(self.key, 1) - 1
             if left > 0:
@@ -417,6 +433,7 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
         raise too_busy(f"too many concurrent requests for this API key (limit {s.max_concurrent_requests_per_key}); "
                        "retry shortly")
     rt.active += 1
+    rt.costs.streams = rt.active
     if key is not None:
         rt.active_per_key[key] = rt.active_per_key.get(key, 0) + 1
     return Run(rt, params, name, k, max_k, len(prompt_ids), key)

@@ -56,6 +56,7 @@ class Proposed:
     wall_ms: float
     batch_sessions: float = 1.0  # mean sessions per batched draft step it took part in
     queue_ms: float = 0.0  # wait before its first draft step
+    step_cpu_ms: float = 0.0  # mean CPU time of the draft's process per draft step (0: not reported)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Verified:
     batch_sessions: int = 1  # sessions in the target's forward pass that verified it
     batch_rows: int = 0  # token rows in that pass (0: not reported)
     queue_ms: float = 0.0  # wait before that pass
+    step_cpu_ms: float = 0.0  # CPU time of the target's process on that pass (0: not reported)
 
 
 class _Client:
@@ -130,6 +132,7 @@ class DraftClient(_Client):
             wall_ms=wall * 1e3,
             batch_sessions=r.batch_sessions or 1.0,
             queue_ms=r.queue_ns / 1e6,
+            step_cpu_ms=r.step_cpu_ns / 1e6,
         )
 
 
@@ -163,4 +166,5 @@ class TargetClient(_Client):
             batch_sessions=r.batch_sessions or 1,
             batch_rows=r.batch_rows,
             queue_ms=r.queue_ns / 1e6,
+            step_cpu_ms=r.step_cpu_ns / 1e6,
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import math
+import time
 from dataclasses import dataclass
 
 
@@ -35,6 +36,8 @@ class StepObservation:
     verify_rows: int = 0  # token rows of the batched forward that verified it, all sessions (0: unknown)
     verify_sessions: int = 1  # sessions in that forward
     draft_sessions: float = 1.0  # mean sessions per batched draft step of the Propose
+    verify_cpu_ms: float = 0.0  # CPU time of the target's process on that forward (0: unknown)
+    draft_step_cpu_ms: float = 0.0  # mean CPU time of the draft's process per draft step (0: unknown)
 
 
 class Controller(abc.ABC):
@@ -156,6 +159,16 @@ class CostModel:
     catch up on many tokens it had not seen (after plain steps) are left out of the draft fit: that
     catch-up is a one-off, and counting it as a per-step cost would make drafting look too
     expensive ever to resume.
+
+    Wall time alone misjudges a busy machine. When the services share CPU cores (one host, or
+    containers on one host), every draft step takes cores the target's forward would use, and once
+    the cores are saturated aggregate throughput is set by CPU time per token, not by anyone's
+    latency. So the model also fits what a step costs the machine — the process CPU time both
+    services report per pass (``step_cpu_ms``: all threads) against rows and sessions, and this
+    process's own CPU per step — and knows from Info which services share a host and how many cores
+    it has. :meth:`round_ms` is then the larger of a stream's wall time per step and the time the
+    busiest host needs to run one step of *every* stream in progress: the second term is what makes
+    k fall to 0 at high concurrency, where plain decoding wins on CPU per token.
     """
 
     MAX_CATCH_UP = 3  # tokens a draft processes besides its own in steady state: 1-2
@@ -166,21 +179,57 @@ class CostModel:
         self.share_decay = share_decay
         self.verify_sessions = 1.0  # running mean of sessions per verify pass
         self.draft_sessions = 1.0  # running mean of sessions per draft step
+        # What steps cost the machine: process CPU ms per target pass by rows, per draft step by
+        # sessions, and this process's CPU ms per step of any stream.
+        self.verify_cpu = LinearFit(decay)
+        self.draft_cpu = LinearFit(decay)
+        self.own_cpu_ms = 0.0
+        self._own_mark: tuple[float, float, int] | None = None  # (monotonic, process CPU s, steps)
+        self._steps = 0
+        self.streams = 1  # generations in progress through this process (set by the server)
+        # Which host each party runs on, and its cores (set from Info; None: unknown, no CPU term)
+        self.hosts: dict[str, tuple[str, float] | None] = {"target": None, "draft": None, "self": None}
 
-    def observe_verify(self, k: int, ms: float, rows: int = 0, sessions: int = 1) -> None:
+    def set_hosts(self, target: tuple[str, float] | None, draft: tuple[str, float] | None,
+                  own: tuple[str, float] | None) -> None:
+        """(host id, cores) of the target service, the draft service and this process."""
+        self.hosts = {"target": target, "draft": draft, "self": own}
+
+    def observe_verify(self, k: int, ms: float, rows: int = 0, sessions: int = 1, cpu_ms: float = 0.0) -> None:
         """A Verify of k draft tokens took ``ms``; its forward had ``rows`` rows across ``sessions``
-        sessions (0 rows: unknown, taken as this request's own k + 1)."""
+        sessions (0 rows: unknown, taken as this request's own k + 1) and cost the target's process
+        ``cpu_ms`` of CPU time (0: not reported)."""
         d = self.share_decay
         self.verify_sessions = d * self.verify_sessions + (1 - d) * max(sessions, 1)
-        self.verify.add(rows if rows > 0 else k + 1, ms)
+        rows = rows if rows > 0 else k + 1
+        self.verify.add(rows, ms)
+        if cpu_ms > 0:
+            self.verify_cpu.add(rows, cpu_ms)
+        self._count_step()
 
-    def observe_draft(self, proposed: int, ms: float, catch_up: int = 1, sessions: float = 1.0) -> None:
+    def observe_draft(self, proposed: int, ms: float, catch_up: int = 1, sessions: float = 1.0,
+                      step_cpu_ms: float = 0.0) -> None:
         if proposed <= 0:
             return
         d = self.share_decay
         self.draft_sessions = d * self.draft_sessions + (1 - d) * max(sessions, 1.0)
         if catch_up <= self.MAX_CATCH_UP:
             self.draft_step.add(max(sessions, 1.0), ms / proposed)
+            if step_cpu_ms > 0:
+                self.draft_cpu.add(max(sessions, 1.0), step_cpu_ms)
+
+    def _count_step(self, window_s: float = 0.5) -> None:
+        """This process's CPU per step, over windows of at least ``window_s``."""
+        self._steps += 1
+        now, cpu = time.monotonic(), time.process_time()
+        if self._own_mark is None:
+            self._own_mark = (now, cpu, self._steps)
+            return
+        t0, cpu0, steps0 = self._own_mark
+        if now - t0 >= window_s:
+            per_step = (cpu - cpu0) * 1e3 / max(self._steps - steps0, 1)
+            self.own_cpu_ms = per_step if self.own_cpu_ms == 0 else 0.7 * self.own_cpu_ms + 0.3 * per_step
+            self._own_mark = (now, cpu, self._steps)
 
     def verify_ms(self, k: int) -> float | None:
         # until two row counts have been seen: each extra row costs 10 % of a one-row pass
@@ -191,6 +240,38 @@ class CostModel:
             return 0.0
         step = self.draft_step.predict(self.draft_sessions, 0.2)
         return None if step is None else k * step
+
+    def cpu_round_ms(self, k: int) -> float:
+        """Time the busiest host needs to run one step of every stream in progress, all at k, from
+        CPU time per step and its cores (0 when nothing is known)."""
+        n = max(float(self.streams), self.verify_sessions)
+        demand: dict[str, float] = {}
+        cores: dict[str, float] = {}
+
+        def add(party: str, ms: float | None) -> None:
+            host = self.hosts.get(party)
+            if host is None or ms is None:
+                return
+            demand[host[0]] = demand.get(host[0], 0.0) + ms
+            cores[host[0]] = max(host[1], 0.01)
+
+        s = max(self.verify_sessions, 1.0)
+        pass_cpu = self.verify_cpu.predict(s * (k + 1), 0.1)
+        add("target", None if pass_cpu is None else n * pass_cpu / s)
+        if k:
+            sd = max(self.draft_sessions, 1.0)
+            step_cpu = self.draft_cpu.predict(sd, 0.2)
+            add("draft", None if step_cpu is None else n * k * step_cpu / sd)
+        add("self", n * self.own_cpu_ms)
+        return max((ms / cores[h] for h, ms in demand.items()), default=0.0)
+
+    def round_ms(self, k: int) -> float | None:
+        """Expected milliseconds per step of one stream at k: its own wall time, or what the
+        machine needs for everyone's step when that is longer (None until both costs are known)."""
+        verify, draft = self.verify_ms(k), self.draft_ms(k)
+        if verify is None or draft is None:
+            return None
+        return max(verify + draft, self.cpu_round_ms(k))
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -235,8 +316,7 @@ class CostController(Controller):
             return max(self.k, 1)  # explore: we need both costs before comparing
         rates = {}
         for k in range(0, self.max_k + 1):
-            cost = self.costs.verify_ms(k) + self.costs.draft_ms(k)
-            rates[k] = expected_tokens(self.alpha, k) / cost
+            rates[k] = expected_tokens(self.alpha, k) / self.costs.round_ms(k)
         self.last_choice = rates
         best = max(rates, key=rates.get)
         if best == 0:
@@ -251,9 +331,11 @@ class CostController(Controller):
     def observe(self, step: StepObservation) -> None:
         # Costs are wall times as the client sees them: tokens per second is what we maximise.
         if step.warm:
-            self.costs.observe_verify(step.proposed, step.verify_ms, step.verify_rows, step.verify_sessions)
+            self.costs.observe_verify(step.proposed, step.verify_ms, step.verify_rows, step.verify_sessions,
+                                      step.verify_cpu_ms)
             if step.proposed:
-                self.costs.observe_draft(step.proposed, step.draft_ms, step.draft_catch_up, step.draft_sessions)
+                self.costs.observe_draft(step.proposed, step.draft_ms, step.draft_catch_up, step.draft_sessions,
+                                         step.draft_step_cpu_ms)
         if step.proposed:
             rejected = 1 if step.accepted < step.proposed else 0
             self.successes = self.decay * self.successes + step.accepted

@@ -331,6 +331,7 @@ async def generate(
                 draft_catch_up=len(seq) - len(new) - proposal.cached_tokens if proposal else 0,
                 verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
                 draft_sessions=proposal.batch_sessions if proposal else 1.0,
+                verify_cpu_ms=v.step_cpu_ms, draft_step_cpu_ms=proposal.step_cpu_ms if proposal else 0.0,
             ))
             stats.iterations += 1
             stats.tokens += len(new)

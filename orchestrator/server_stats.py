@@ -38,7 +38,7 @@ SAMPLE_EVERY_S = 1.0  # the orchestrator's counters are sampled this often in th
 INFO_MAX_AGE_S = 1.0  # a model service's Info is asked at most this often; callers in between share it
 INFO_TIMEOUT_S = 1.0  # a service slower than this to describe itself is shown as down
 MODES = ("speculative", "autoregressive")
-SCHEDULER_COUNTERS = ("forwards", "sessions", "rows", "busy_ns", "calls", "queue_wait_ns")
+SCHEDULER_COUNTERS = ("forwards", "sessions", "rows", "busy_ns", "calls", "queue_wait_ns", "cpu_ns")
 
 
 # ---- windowed rates ------------------------------------------------------------------------------
@@ -187,9 +187,11 @@ def service_view(info: Any, w: Window) -> dict[str, Any]:
     s = info.scheduler
     busy = w.delta("busy_ns") / (w.seconds * 1e9) if w.seconds > 0 else None
     wait = w.ratio("queue_wait_ns", "calls")
+    cpu = w.delta("cpu_ns") / (w.seconds * 1e9) if w.seconds > 0 else None
     return {
         "up": True,
         "model_id": info.model_id, "backend": info.backend, "device": info.device,
+        "host_id": info.host_id, "cpu_cores": _round(info.cpu_cores, 2),
         "sessions": info.sessions, "kv_bytes": info.kv_bytes, "kv_budget_bytes": info.kv_budget_bytes,
         "kv_share": _round(info.kv_bytes / info.kv_budget_bytes) if info.kv_budget_bytes else None,
         "scheduler": {
@@ -201,6 +203,8 @@ def service_view(info: Any, w: Window) -> dict[str, Any]:
             "mean_sessions_per_forward": _round(w.ratio("sessions", "forwards"), 3),
             "mean_rows_per_forward": _round(w.ratio("rows", "forwards"), 3),
             "busy_share": _round(busy),
+            # CPU seconds per second in forward passes (all threads): 2.0 = two cores busy
+            "cpu_cores_used": _round(cpu, 3),
             "mean_queue_wait_ms": _round(wait / 1e6 if wait is not None else None, 3),
             "queued": s.queued, "max_queued": s.max_queued,
             "totals": {name: getattr(s, name) for name in SCHEDULER_COUNTERS},

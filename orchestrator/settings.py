@@ -18,8 +18,23 @@ class OrchestratorSettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Interface to bind (0.0.0.0: every interface, as in the containers).")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
-    draft_address: str = Field("localhost:50051", description="host:port of the draft service.")
-    target_address: str = Field("localhost:50052", description="host:port of the target service.")
+    draft_address: str = Field(
+        "localhost:50051",
+        description="host:port of the draft service; a comma-separated list, or a name resolving to several "
+                    "addresses (a headless Service), for replicas (docs/deploy.md).",
+    )
+    target_address: str = Field(
+        "localhost:50052",
+        description="host:port of the target service; a comma-separated list, or a name resolving to several "
+                    "addresses (a headless Service), for replicas: each session is pinned to one, and moves to "
+                    "another when it fails (docs/deploy.md).",
+    )
+    replica_resolve_interval_s: float = Field(
+        10.0, gt=0, description="Resolve the services' host names again this often (replicas joining or leaving)."
+    )
+    replica_probe_interval_s: float = Field(
+        2.0, gt=0, description="Ask every replica's Info this often; one that answers again is routed to again."
+    )
     tokenizer: str | None = Field(
         None, description="Tokenizer to use (id, path or 'embedded'); default: the target's model id from Info."
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specdec import params as sm
+from specdec import runtime
 from specdec.params import ModelInfo
 from specdec.v1 import specdec_pb2 as pb
 
@@ -37,4 +38,6 @@ def info_to_pb(info: ModelInfo, scheduler: Any = None) -> pb.InfoResponse:
         kv_budget_bytes=info.kv_budget_bytes,
         eos_token_ids=info.eos_token_ids,
         scheduler=stats,
+        host_id=runtime.host_id(),
+        cpu_cores=runtime.cpu_cores(),
     )

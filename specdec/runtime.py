@@ -54,3 +54,36 @@ def start_metrics(port: int | None) -> None:
 
     start_http_server(port)
     logger.info("metrics on :%d/metrics", port)
+
+
+def host_id() -> str:
+    """An id of the machine's running kernel: processes (and containers) on one host share it, so
+    a client can tell which services compete for the same CPU cores."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()
+
+
+def cpu_cores() -> float:
+    """CPU cores this process may use: its affinity, capped by a cgroup v2 (or v1) CPU quota."""
+    try:
+        cores = float(len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        cores = float(os.cpu_count() or 1)
+    for path in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
+        try:
+            with open(path) as f:
+                fields = f.read().split()
+        except OSError:
+            continue
+        if path.endswith("cpu.max") and len(fields) == 2 and fields[0] != "max":
+            cores = min(cores, int(fields[0]) / int(fields[1]))
+        elif path.endswith("quota_us") and fields and int(fields[0]) > 0:
+            with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+                cores = min(cores, int(fields[0]) / int(f.read()))
+        break
+    return max(cores, 0.01)

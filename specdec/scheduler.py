@@ -89,6 +89,15 @@ def run_alone(batcher: Batcher, job: Any) -> Any:
 
 
 @dataclass
+class CpuAccounted:
+    """Base of jobs whose result reports the mean process CPU time per step they were in
+    (``step_cpu_ns`` of the result): the scheduler adds each step's CPU time here."""
+
+    cpu_ns: int = field(default=0, kw_only=True)
+    cpu_steps: int = field(default=0, kw_only=True)
+
+
+@dataclass
 class SchedulerStats:
     """Counters since start (see SchedulerStats in the proto)."""
 
@@ -97,6 +106,7 @@ class SchedulerStats:
     rows: int = 0
     busy_ns: int = 0
     calls: int = 0
+    cpu_ns: int = 0
     queue_wait_ns: int = 0
     queued: int = 0
     max_queued: int = 0
@@ -234,7 +244,7 @@ class ComputeThread:
                 if not item.started:
                     item.started = True
                     self._observe_wait(item)
-            t0 = time.perf_counter_ns()
+            t0, cpu0 = time.perf_counter_ns(), time.process_time_ns()
             try:
                 result = items[0].batcher.step([item.job for item in items])
                 outcomes = result.outcomes
@@ -242,19 +252,29 @@ class ComputeThread:
                 logger.exception("batched step failed")
                 result, outcomes = StepResult([], 0, 0), [exc] * len(items)
             busy = time.perf_counter_ns() - t0
+            # CPU of the whole process (every thread) during the step: what the step cost the
+            # machine, which on shared cores is what other work can no longer use.
+            cpu = time.process_time_ns() - cpu0
             if result.sessions:
                 self.stats.forwards += 1
                 self.stats.sessions += result.sessions
                 self.stats.rows += result.rows
                 self.stats.busy_ns += busy
+                self.stats.cpu_ns += cpu
                 BATCH_SESSIONS.labels(self._service).observe(result.sessions)
                 BATCH_ROWS.labels(self._service).observe(result.rows)
+                for item in items:
+                    if isinstance(item.job, CpuAccounted):
+                        item.job.cpu_ns += cpu
+                        item.job.cpu_steps += 1
             for item, outcome in zip(items, outcomes, strict=True):
                 if outcome is PENDING:
                     still.add(id(item))
                 elif isinstance(outcome, BaseException):
                     item.done.set_exception(outcome)
                 else:
+                    if isinstance(item.job, CpuAccounted) and item.job.cpu_steps and hasattr(outcome, "step_cpu_ns"):
+                        outcome.step_cpu_ns = item.job.cpu_ns // item.job.cpu_steps
                     item.done.set_result(outcome)
                 if outcome is not PENDING:
                     self.stats.calls += 1

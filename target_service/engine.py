@@ -22,7 +22,7 @@ from specdec.engine import (
 )
 from specdec.errors import InvalidArgument
 from specdec.models import LoadedModel, tokenizer_fingerprint
-from specdec.scheduler import PENDING, StepResult, run_alone
+from specdec.scheduler import PENDING, CpuAccounted, StepResult, run_alone
 from specdec.sessions import SessionStore, common_prefix_len
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ MIN_PREFILL_CHUNK = 16
 
 
 @dataclass
-class VerifyJob:
+class VerifyJob(CpuAccounted):
     """A validated Verify request, ready for the compute thread (built on the RPC thread, so a
     malformed or oversized request never costs the model's thread any time)."""
 
@@ -65,6 +65,7 @@ class Verification:
     batch_sessions: int = 1  # sessions in the forward pass that verified it
     batch_rows: int = 0  # token rows in that pass
     queue_ns: int = 0
+    step_cpu_ns: int = 0  # set by the scheduler: process CPU time of the pass(es) it was in, mean
 
 
 class TargetEngine:

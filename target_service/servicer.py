@@ -58,6 +58,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             batch_sessions=result.batch_sessions,
             batch_rows=result.batch_rows,
             queue_ns=result.queue_ns,
+            step_cpu_ns=result.step_cpu_ns,
         )
 
     @rpc(SERVICE)

@@ -175,3 +175,49 @@ def test_k_falls_as_the_load_rises():
     crowded = CostModel()
     ks = _serve(CostController(4, 8, crowded, probe_every=1000), 60, sessions=64, alpha_hits=False)
     assert ks[-1] == 0
+
+
+def _cpu_bound_costs(target_host, draft_host, streams=16):
+    """A batch of 16 sessions where rows are nearly free on the clock (25 ms + 0.5 ms per row) but
+    not on the CPU (20 ms + 4 ms of CPU per row; a draft step of 16 sessions costs 30 ms of CPU)."""
+    m = CostModel(decay=1.0, share_decay=0.0)
+    for rows in (16, 32, 48, 80):
+        m.observe_verify(0, 25 + 0.5 * rows, rows=rows, sessions=16, cpu_ms=20 + 4.0 * rows)
+    for sessions in (8, 16):
+        m.observe_draft(2, 2 * 10.0, sessions=sessions, step_cpu_ms=30.0 * sessions / 16)
+    m.set_hosts(target_host, draft_host, own=None)
+    m.streams = streams
+    c = CostController(4, 8, m)
+    c.successes, c.failures = 90.0, 10.0  # alpha 0.9
+    return m, c
+
+
+def test_saturated_shared_cores_make_plain_decoding_win():
+    """On one 2-core host every draft token's CPU is taken from the target: with 16 streams the
+    machine, not any one stream's latency, sets the pace, and plain decoding wins on CPU per token,
+    although each stream's wall-time model alone favours drafting."""
+    m, c = _cpu_bound_costs(("host-a", 2.0), ("host-a", 2.0))
+    wall_only = max(range(9), key=lambda k: expected_tokens(0.9, k) / (m.verify_ms(k) + m.draft_ms(k)))
+    assert wall_only >= 3
+    assert m.cpu_round_ms(0) == pytest.approx((20 + 4.0 * 16) / 2)
+    assert c.next_k() == 0
+
+
+def test_separate_hosts_keep_drafting():
+    """The same CPU costs with the draft on a host of its own: drafting takes nothing from the
+    target, and a short draft still pays."""
+    m, c = _cpu_bound_costs(("host-a", 2.0), ("host-b", 2.0))
+    assert m.cpu_round_ms(2) == pytest.approx((20 + 4.0 * 48) / 2)
+    assert c.next_k() >= 1
+
+def test_one_stream_on_shared_cores_is_paced_by_its_wall_time():
+    m, c = _cpu_bound_costs(("host-a", 2.0), ("host-a", 2.0), streams=1)
+    m.verify_sessions = m.draft_sessions = 1.0  # nobody else in the passes
+    assert all(m.cpu_round_ms(k) < m.verify_ms(k) + m.draft_ms(k) for k in range(9))
+    assert c.next_k() >= 4
+
+
+def test_unknown_hosts_mean_no_cpu_term():
+    m, _ = _cpu_bound_costs(None, None)
+    assert m.cpu_round_ms(3) == 0.0
+    assert m.round_ms(3) == pytest.approx(m.verify_ms(3) + m.draft_ms(3))

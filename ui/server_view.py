@@ -95,7 +95,9 @@ def service_figures(name: str, view: dict[str, Any]) -> ServiceFigures:
         queue=f"{int(s.get('queued') or 0)} / {max_queued}" if max_queued else str(int(s.get("queued") or 0)),
         queue_wait=fmt(s.get("mean_queue_wait_ms"), ".1f", " ms"),
         sessions=str(int(view.get("sessions") or 0)),
-        busy=share(busy), busy_text=f"Busy {fmt(busy, '.0%')} of the time (forward passes / wall time)",
+        busy=share(busy), busy_text=f"Busy {fmt(busy, '.0%')} of the time (forward passes / wall time)" + (
+            f", using {fmt(s.get('cpu_cores_used'), '.1f')} of {fmt(view.get('cpu_cores'), '.0f')} cores"
+            if s.get("cpu_cores_used") is not None and view.get("cpu_cores") else ""),
         kv=share(kv_share), kv_text=kv_text,
         reported=bool(s.get("reported", False)),
     )

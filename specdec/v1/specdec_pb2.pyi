@@ -59,7 +59,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., confidence_threshold: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_distributions: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_tokens", "confidences", "stop_reason", "distributions", "cached_tokens", "compute_ns", "batch_sessions", "steps", "queue_ns")
+    __slots__ = ("draft_tokens", "confidences", "stop_reason", "distributions", "cached_tokens", "compute_ns", "batch_sessions", "steps", "queue_ns", "step_cpu_ns")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class ProposeResponse(_message.Message):
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_CPU_NS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     confidences: _containers.RepeatedScalarFieldContainer[float]
     stop_reason: DraftStopReason
@@ -78,7 +79,8 @@ class ProposeResponse(_message.Message):
     batch_sessions: float
     steps: int
     queue_ns: int
-    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[DraftStopReason, str]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ..., batch_sessions: _Optional[float] = ..., steps: _Optional[int] = ..., queue_ns: _Optional[int] = ...) -> None: ...
+    step_cpu_ns: int
+    def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[DraftStopReason, str]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ..., batch_sessions: _Optional[float] = ..., steps: _Optional[int] = ..., queue_ns: _Optional[int] = ..., step_cpu_ns: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tokens", "draft_tokens", "sampling", "draft_distributions", "return_target_probs")
@@ -97,7 +99,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., return_target_probs: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "target_probs", "next_token_prob", "cached_tokens", "compute_ns", "batch_sessions", "batch_rows", "queue_ns")
+    __slots__ = ("num_accepted", "next_token", "target_probs", "next_token_prob", "cached_tokens", "compute_ns", "batch_sessions", "batch_rows", "queue_ns", "step_cpu_ns")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class VerifyResponse(_message.Message):
     BATCH_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_CPU_NS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     target_probs: _containers.RepeatedScalarFieldContainer[float]
@@ -116,14 +119,15 @@ class VerifyResponse(_message.Message):
     batch_sessions: int
     batch_rows: int
     queue_ns: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., target_probs: _Optional[_Iterable[float]] = ..., next_token_prob: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., batch_rows: _Optional[int] = ..., queue_ns: _Optional[int] = ...) -> None: ...
+    step_cpu_ns: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., target_probs: _Optional[_Iterable[float]] = ..., next_token_prob: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., batch_rows: _Optional[int] = ..., queue_ns: _Optional[int] = ..., step_cpu_ns: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "tokenizer_fingerprint", "max_context", "dtype", "device", "backend", "max_draft_tokens", "sessions", "kv_bytes", "kv_budget_bytes", "eos_token_ids", "scheduler")
+    __slots__ = ("model_id", "architecture", "vocab_size", "tokenizer_fingerprint", "max_context", "dtype", "device", "backend", "max_draft_tokens", "sessions", "kv_bytes", "kv_budget_bytes", "eos_token_ids", "scheduler", "host_id", "cpu_cores")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +142,8 @@ class InfoResponse(_message.Message):
     KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -152,10 +158,12 @@ class InfoResponse(_message.Message):
     kv_budget_bytes: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     scheduler: SchedulerStats
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[_Union[SchedulerStats, _Mapping]] = ...) -> None: ...
+    host_id: str
+    cpu_cores: float
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[_Union[SchedulerStats, _Mapping]] = ..., host_id: _Optional[str] = ..., cpu_cores: _Optional[float] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("forwards", "sessions", "rows", "busy_ns", "calls", "queue_wait_ns", "queued", "max_queued")
+    __slots__ = ("forwards", "sessions", "rows", "busy_ns", "calls", "queue_wait_ns", "queued", "max_queued", "cpu_ns")
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +172,7 @@ class SchedulerStats(_message.Message):
     QUEUE_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    CPU_NS_FIELD_NUMBER: _ClassVar[int]
     forwards: int
     sessions: int
     rows: int
@@ -172,7 +181,8 @@ class SchedulerStats(_message.Message):
     queue_wait_ns: int
     queued: int
     max_queued: int
-    def __init__(self, forwards: _Optional[int] = ..., sessions: _Optional[int] = ..., rows: _Optional[int] = ..., busy_ns: _Optional[int] = ..., calls: _Optional[int] = ..., queue_wait_ns: _Optional[int] = ..., queued: _Optional[int] = ..., max_queued: _Optional[int] = ...) -> None: ...
+    cpu_ns: int
+    def __init__(self, forwards: _Optional[int] = ..., sessions: _Optional[int] = ..., rows: _Optional[int] = ..., busy_ns: _Optional[int] = ..., calls: _Optional[int] = ..., queue_wait_ns: _Optional[int] = ..., queued: _Optional[int] = ..., max_queued: _Optional[int] = ..., cpu_ns: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,208 @@
+"""Replicas behind one orchestrator: address lists and DNS, rendezvous affinity, failover.
+
+The routing unit tests drive :class:`Replicas` with in-process clients whose calls succeed or fail
+as each test says (they test the routing, not gRPC); DNS answers come from a patched resolver, since
+no name server with several records runs here. The end-to-end test runs two real target services
+and kills the one serving a stream while it streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+
+import grpc
+import httpx
+import pytest
+
+from orchestrator.replicas import Replicas, parse_addresses, rendezvous_rank, unavailable
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from tests.conftest import start_model_service, start_orchestrator
+from tests.test_orchestrator import gen, iter_sse
+
+
+def test_parse_addresses():
+    assert parse_addresses("a:1, b:2,") == [("a", 1), ("b", 2)]
+    assert parse_addresses("[::1]:50052") == [("::1", 50052)]
+    for bad in ("", "a", "a:x", ":5", " , "):
+        with pytest.raises(ValueError):
+            parse_addresses(bad)
+
+
+def test_rendezvous_spreads_sessions_and_moves_only_a_share():
+    sessions = [f"s{i}" for i in range(3000)]
+    two, three = ["a:1", "b:1"], ["a:1", "b:1", "c:1"]
+    before = {s: rendezvous_rank(s, two)[0] for s in sessions}
+    after = {s: rendezvous_rank(s, three)[0] for s in sessions}
+    counts = collections.Counter(after.values())
+    assert all(800 <= counts[a] <= 1200 for a in three), counts  # about a third each
+    moved = [s for s in sessions if before[s] != after[s]]
+    assert all(after[s] == "c:1" for s in moved)  # a replica joining takes sessions only for itself
+    assert 800 <= len(moved) <= 1200
+    # and leaving gives back exactly its own sessions
+    assert {s: rendezvous_rank(s, two)[0] for s in sessions} == before
+
+
+class Client:
+    """An in-process stand-in for a service client: each call succeeds unless its address is told to fail."""
+
+    def __init__(self, address: str, failing: dict[str, grpc.StatusCode]) -> None:
+        self.address, self.failing, self.calls = address, failing, 0
+
+    async def verify(self, session_id: str) -> str:
+        self.calls += 1
+        if self.address in self.failing:
+            raise grpc.aio.AioRpcError(self.failing[self.address], grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
+        return self.address
+
+    async def close(self) -> None:
+        pass
+
+
+def make_replicas(spec: str, failing: dict[str, grpc.StatusCode]) -> Replicas[Client]:
+    return Replicas("target", spec, lambda address, security: Client(address, failing))
+
+
+def test_failover_marks_down_and_keeps_affinity():
+    async def main():
+        failing: dict[str, grpc.StatusCode] = {}
+        r = make_replicas("h1:1,h2:1,h3:1", failing)
+        owner = r.owner("s").address
+        assert await r.call("s", lambda c: c.verify("s")) == owner
+        failing[owner] = grpc.StatusCode.UNAVAILABLE
+        second = r.ranked("s")[1].address
+        assert await r.call("s", lambda c: c.verify("s")) == second  # moved in the same call
+        assert not r.replicas[owner].up and r.owner("s").address == second
+        # other sessions keep their replica unless it was the dead one
+        assert all(r.owner(f"x{i}").address != owner for i in range(50))
+        # busy is skipped for that call only, and not marked down
+        failing.clear()
+        failing[second] = grpc.StatusCode.RESOURCE_EXHAUSTED
+        third = [a for a in ("h1:1", "h2:1", "h3:1") if a not in (owner, second)][0]
+        assert await r.call("s", lambda c: c.verify("s")) == third
+        assert r.replicas[second].up
+        # a success through the last-resort path brings the dead one back
+        failing.clear()
+        r.mark_up(owner)
+        assert r.owner("s").address == owner
+        # all down or busy: the busy error wins (the client should come back), else UNAVAILABLE
+        for a in ("h1:1", "h2:1", "h3:1"):
+            failing[a] = grpc.StatusCode.UNAVAILABLE
+        failing["h2:1"] = grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await r.call("s", lambda c: c.verify("s"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        failing["h2:1"] = grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await r.call("s", lambda c: c.verify("s"))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # other errors are the caller's (bad input), never a failover
+        failing.clear()
+        failing[r.owner("s").address] = grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await r.call("s", lambda c: c.verify("s"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    asyncio.run(main())
+
+
+def test_probe_marks_up_and_down():
+    async def main():
+        failing: dict[str, grpc.StatusCode] = {"h2:1": grpc.StatusCode.UNAVAILABLE}
+        r = make_replicas("h1:1,h2:1", failing)
+        ok = await r.probe(lambda c: c.verify("probe"))
+        assert [rep.address for rep, _ in ok] == ["h1:1"]
+        assert [rep.up for rep in r.replicas.values()] == [True, False]
+        failing.clear()
+        await r.probe(lambda c: c.verify("probe"))
+        assert all(rep.up for rep in r.replicas.values())
+        assert isinstance(unavailable("x"), grpc.aio.AioRpcError)
+
+    asyncio.run(main())
+
+
+def test_a_name_with_several_addresses_is_several_replicas(monkeypatch):
+    answers = {"target-headless": ["10.0.0.1", "10.0.0.2"]}
+
+    async def getaddrinfo(self, host, port, **kw):
+        if host not in answers:
+            raise socket.gaierror(f"unknown {host}")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)
+
+    async def main():
+        r = make_replicas("target-headless:50052, single:7", {})
+        await r.resolve()
+        # one address: the name is kept; several: one replica each
+        assert set(r.replicas) == {"10.0.0.1:50052", "10.0.0.2:50052", "single:7"}
+        kept = r.replicas["10.0.0.1:50052"].client
+        answers["target-headless"] = ["10.0.0.1", "10.0.0.3"]  # a pod replaced
+        await r.resolve()
+        assert set(r.replicas) == {"10.0.0.1:50052", "10.0.0.3:50052", "single:7"}
+        assert r.replicas["10.0.0.1:50052"].client is kept  # a replica that stays keeps its channel
+        del answers["target-headless"]  # resolution fails: keep what we had
+        await r.resolve()
+        assert set(r.replicas) == {"10.0.0.1:50052", "10.0.0.3:50052", "single:7"}
+
+    asyncio.run(main())
+
+
+def _sessions(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return pb_grpc.TargetServiceStub(ch).Info(pb.InfoRequest(), timeout=5).sessions
+
+
+def test_target_replica_killed_mid_stream_keeps_the_stream(tmp_path, embedded_stack):
+    """Two target replicas: each stream is pinned to one; killing it mid-stream moves the stream to
+    the other (one re-prefill), with the same output as plain decoding and no error."""
+    for name in ("t1", "t2"):
+        (tmp_path / name).mkdir()
+    t1, p1 = start_model_service("target", tmp_path / "t1")
+    t2, p2 = start_model_service("target", tmp_path / "t2")
+    orch, url = start_orchestrator(embedded_stack["draft_port"], 0, tmp_path, env={
+        "SPECDEC_ORCHESTRATOR_TARGET_ADDRESS": f"127.0.0.1:{p1},127.0.0.1:{p2}",
+        "SPECDEC_ORCHESTRATOR_REPLICA_PROBE_INTERVAL_S": "0.5",
+    })
+    replicas = {p1: t1, p2: t2}
+    try:
+        ready = httpx.get(url + "/ready").json()
+        assert sorted(r["address"] for r in ready["replicas"]["target"]) == sorted(
+            f"127.0.0.1:{p}" for p in (p1, p2))
+        body = dict(prompt="The history of the printing press", max_tokens=80, ignore_eos=True,
+                    controller="fixed", k=3)
+        plain = gen(embedded_stack["url"], mode="autoregressive", **body)
+        # sessions spread over both replicas
+        for i in range(6):
+            gen(url, prompt=f"Request {i} about rivers", max_tokens=4)
+        events, killed = [], None
+        with httpx.stream("POST", url + "/v1/generate/stream", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            for item in iter_sse(r):
+                events.append(item)
+                if len(events) == 3:
+                    owners = [p for p in (p1, p2) if _sessions(p) > 0]
+                    assert len(owners) == 1, owners  # one replica holds the stream's session
+                    killed = owners[0]
+                    replicas[killed].kill()
+        assert [e for e, _ in events if e == "error"] == []
+        done = [d for e, d in events if e == "done"][0]
+        assert done["token_ids"] == plain["token_ids"]
+        survivor = p2 if killed == p1 else p1
+        info = httpx.get(url + "/v1/info").json()["replicas"]["target"]
+        assert {r["address"]: r["up"] for r in info} == {f"127.0.0.1:{killed}": False, f"127.0.0.1:{survivor}": True}
+        # new requests go to the survivor; the orchestrator stays ready with one target left
+        assert gen(url, prompt="Hello", max_tokens=4)["token_ids"]
+        assert httpx.get(url + "/ready").status_code == 200
+        metrics = httpx.get(url + "/metrics").text
+        assert 'specdec_replica_failovers_total{service="target",reason="unavailable"}' in metrics
+        # the last one gone: 503, as with a single target
+        replicas[survivor].kill()
+        r = httpx.post(url + "/v1/generate", json={"prompt": "Hello", "max_tokens": 8}, timeout=60)
+        assert r.status_code == 503 and "target" in r.json()["detail"]
+    finally:
+        orch.stop()
+        t1.stop()
+        t2.stop()
