@@ -103,13 +103,18 @@ class Stack:
         wait_grpc(port, svc)
         return port
 
-    def orchestrator(self, name: str, draft_port: int, target_port: int, env: dict[str, str] | None = None) -> str:
-        """Start an orchestrator over the two services; return its base URL once it is ready."""
+    def orchestrator(self, name: str, draft: int | str, target: int | str, env: dict[str, str] | None = None) -> str:
+        """Start an orchestrator over the two services (a local port, or an address setting such as
+        a list of replicas); return its base URL once it is ready."""
         port = free_port()
+
+        def address(where: int | str) -> str:
+            return f"127.0.0.1:{where}" if isinstance(where, int) else where
+
         svc = Service(name, "orchestrator", {
             "SPECDEC_ORCHESTRATOR_PORT": str(port), "SPECDEC_ORCHESTRATOR_HOST": "127.0.0.1",
-            "SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS": f"127.0.0.1:{draft_port}",
-            "SPECDEC_ORCHESTRATOR_TARGET_ADDRESS": f"127.0.0.1:{target_port}", **(env or {}),
+            "SPECDEC_ORCHESTRATOR_DRAFT_ADDRESS": address(draft),
+            "SPECDEC_ORCHESTRATOR_TARGET_ADDRESS": address(target), **(env or {}),
         }, self.log_dir)
         self.services.append(svc)
         url = f"http://127.0.0.1:{port}"

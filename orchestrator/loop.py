@@ -41,6 +41,12 @@ TOKENS_PER_SECOND = Histogram(
 )
 DRAFT_FALLBACKS = Counter("specdec_draft_fallbacks_total", "Steps run without a draft because the draft failed.", ["reason"])
 ACTIVE = Gauge("specdec_active_requests", "Generations in progress.")
+PREFIX_TOKENS = Counter(
+    "specdec_target_prefix_tokens_total",
+    "Committed tokens sent to Verify, by whether the target found them in the session's KV cache "
+    "(cached) or computed them again (computed: the prompt's prefill, or a re-prefill after a replica moved).",
+    ["source"],
+)
 
 Mode = Literal["speculative", "autoregressive"]
 
@@ -307,6 +313,8 @@ async def generate(
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise TargetBusy(f"target service is busy: {exc.details()}") from exc
                 raise TargetUnavailable(f"target service: {exc.code().name}: {exc.details()}") from exc
+            PREFIX_TOKENS.labels("cached").inc(v.cached_tokens)
+            PREFIX_TOKENS.labels("computed").inc(max(len(seq) - v.cached_tokens, 0))
             # 4. Accept: the accepted draft prefix, then the target's own token.
             new = tokens[: v.num_accepted] + [v.next_token]
             kind = "plain" if not tokens else ("bonus" if v.num_accepted == len(tokens) else "correction")

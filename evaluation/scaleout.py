@@ -1,0 +1,201 @@
+"""``python -m evaluation.scaleout``: replicas behind one orchestrator, under load, with a replica killed.
+
+For each target replica count R in ``--replicas`` (default 1,2): start R target services and
+``--draft-replicas`` draft services as processes on this machine, one orchestrator given both lists
+(comma-separated addresses), then ``--clients`` closed-loop clients streaming greedy speculative
+requests (prompts of the suite in turn, ``--max-tokens`` each, EOS ignored) for ``--duration`` s.
+With R >= 2, one target replica — the one that served the most calls so far — is killed with
+SIGKILL ``--kill-at`` seconds into the run, while its streams are mid-flight.
+
+Per configuration: requests sent, completed and failed; aggregate tokens/s over the run; the share
+of committed tokens the target found in its KV cache (the orchestrator's
+``specdec_target_prefix_tokens_total``: affinity keeps it high, a failover costs one re-prefill per
+moved stream); failovers; calls per replica (how evenly sessions spread); and token equality of
+every completed request against plain greedy decoding of the same prompt (asked once more, alone,
+after the load). Replicas on one machine share its cores: R = 2 tests routing and failover, not
+capacity. JSON and a Markdown table land in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+
+from evaluation import report
+from evaluation.bench import RESULTS_ROOT, machine_info
+from evaluation.load import LoadClient, summarise_run
+from evaluation.procs import Stack
+from evaluation.prompts import load_suite, select
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("evaluation.scaleout")
+
+METRIC = re.compile(r'^(specdec_target_prefix_tokens_total|specdec_replica_failovers_total)\{([^}]*)\} ([0-9.e+]+)$')
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m evaluation.scaleout", description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 2],
+                   help="target replica counts to run, in turn (default 1,2)")
+    p.add_argument("--draft-replicas", type=int, default=2, help="draft replicas (default 2)")
+    p.add_argument("--clients", type=int, default=8, help="closed-loop clients (default 8)")
+    p.add_argument("--duration", type=float, default=40, help="seconds of load per configuration (default 40)")
+    p.add_argument("--kill-at", type=float, default=15,
+                   help="kill one target replica this many seconds into the run when R >= 2 (default 15; 0: never)")
+    p.add_argument("--max-tokens", type=int, default=48, help="new tokens per request, EOS ignored (default 48)")
+    p.add_argument("--prompts", type=int, default=None, help="use N prompts of the suite")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default evaluation/results/scaleout-<time>/)")
+    args = p.parse_args(argv)
+    if not args.replicas or min(args.replicas) < 1 or args.draft_replicas < 1 or args.clients < 1:
+        p.error("replica and client counts must be at least 1")
+    return args
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The counters this benchmark reads from the orchestrator's /metrics."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        m = METRIC.match(line)
+        if m:
+            out[f"{m.group(1)}{{{m.group(2)}}}"] = float(m.group(3))
+    return out
+
+
+def calls(port: int) -> int | None:
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            return pb_grpc.TargetServiceStub(ch).Info(pb.InfoRequest(), timeout=5).scheduler.calls
+    except grpc.RpcError:
+        return None
+
+
+async def run_config(args: argparse.Namespace, replicas: int, prompts: list, log_dir: Path) -> dict[str, Any]:
+    stack = Stack(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        targets = [stack.model_service(f"target-{i}", "target", {}) for i in range(replicas)]
+        drafts = [stack.model_service(f"draft-{i}", "draft", {}) for i in range(args.draft_replicas)]
+        url = stack.orchestrator("orchestrator", ",".join(f"127.0.0.1:{p}" for p in drafts),
+                                 ",".join(f"127.0.0.1:{p}" for p in targets),
+                                 {"SPECDEC_ORCHESTRATOR_REPLICA_PROBE_INTERVAL_S": "1"})
+        target_procs = [s for s in stack.services if s.name.startswith("target-")]
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=10)) as http:
+            client = LoadClient(http, url, prompts, args.max_tokens, 0.0, {})
+            for p in prompts[: max(replicas, 2)]:  # warm every replica's first-call set-up
+                await client.request(p, "speculative", time.perf_counter(), None, max_tokens=4)
+            before = scrape(url)
+            calls_before = [calls(p) or 0 for p in targets]
+            killed: dict[str, Any] = {}
+
+            async def killer() -> None:
+                if replicas < 2 or not args.kill_at:
+                    return
+                await asyncio.sleep(args.kill_at)
+                served = [(calls(p) or 0) - c0 for p, c0 in zip(targets, calls_before, strict=True)]
+                victim = max(range(replicas), key=lambda i: served[i])
+                killed.update(replica=victim, at_s=args.kill_at, calls_before_kill=served)
+                logger.info("killing target-%d (SIGKILL) after %.0f s; calls per replica so far %s", victim,
+                            args.kill_at, served)
+                os.kill(target_procs[victim].popen.pid, signal.SIGKILL)
+
+            t = time.perf_counter()
+            (records, window), _ = await asyncio.gather(
+                client.closed_loop("speculative", args.clients, args.duration, None, 0.0), killer())
+            elapsed = time.perf_counter() - t
+            after = scrape(url)
+            calls_after = [calls(p) for p in targets]
+            references: dict[str, list[int]] = {}
+            for pid in sorted({r["prompt_id"] for r in records}):
+                rec = await client.request(next(p for p in prompts if p.id == pid), "autoregressive",
+                                           time.perf_counter(), None)
+                if rec["status"] == 200:
+                    references[pid] = rec["token_ids"]
+        summary = summarise_run(records, window)
+
+        def delta(key: str) -> float:
+            return after.get(key, 0.0) - before.get(key, 0.0)
+
+        cached = delta('specdec_target_prefix_tokens_total{source="cached"}')
+        computed = delta('specdec_target_prefix_tokens_total{source="computed"}')
+        completed = [r for r in records if r["status"] == 200]
+        compared = [r for r in completed if r["prompt_id"] in references]
+        identical = sum(r["token_ids"] == references[r["prompt_id"]] for r in compared)
+        per_replica = [None if a is None else a - b for a, b in zip(calls_after, calls_before, strict=True)]
+        if killed:
+            per_replica[killed["replica"]] = killed["calls_before_kill"][killed["replica"]]
+        return {
+            "target_replicas": replicas, "draft_replicas": args.draft_replicas, "clients": args.clients,
+            "requests": len(records), "completed": len(completed), "failed": len(records) - len(completed),
+            "errors": summary["errors"], "tokens_per_second": summary["tokens_per_second"],
+            "elapsed_s": round(elapsed, 1), "cache_share": round(cached / (cached + computed), 4) if cached + computed else None,
+            "prefix_tokens": {"cached": cached, "computed": computed},
+            "failovers": {k.split("{", 1)[1].rstrip("}"): delta(k) for k in after if k.startswith("specdec_replica_failovers_total")},
+            "calls_per_replica": per_replica, "killed": killed or None,
+            "compared": len(compared), "identical": identical,
+        }
+    finally:
+        stack.close()
+
+
+def render(results: dict[str, Any]) -> str:
+    rows = []
+    for c in results["configs"]:
+        killed = f"target-{c['killed']['replica']} at {c['killed']['at_s']:g} s" if c["killed"] else "–"
+        failovers = sum(c["failovers"].values())
+        rows.append([f"{c['target_replicas']} × target, {c['draft_replicas']} × draft", str(c["clients"]),
+                     str(c["requests"]), str(c["failed"]), report.fmt(c["tokens_per_second"]),
+                     report.fmt(100 * c["cache_share"], 1) + " %" if c["cache_share"] is not None else "–",
+                     f"{failovers:g}", " / ".join("–" if n is None else str(n) for n in c["calls_per_replica"]),
+                     killed, f"{c['identical']}/{c['compared']}"])
+    head = ["replicas", "clients", "requests", "failed", "tok/s", "prefix from cache", "failovers",
+            "calls per target replica", "killed", "identical to plain"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+    return f"# Scale-out\n\n`{results['command']}` ({results['started']})\n\n" + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    out = args.out or RESULTS_ROOT / datetime.now().strftime("scaleout-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m evaluation.scaleout " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    prompts = select(load_suite(), args.prompts, None)
+    started = datetime.now().isoformat(timespec="seconds")
+    configs = []
+    for replicas in args.replicas:
+        logger.info("%d target replica(s), %d draft replica(s), %d clients, %g s", replicas, args.draft_replicas,
+                    args.clients, args.duration)
+        configs.append(asyncio.run(run_config(args, replicas, prompts, out / f"logs-{replicas}")))
+        c = configs[-1]
+        logger.info("%d replica(s): %d/%d requests completed, %s tok/s, cache share %s, identical %d/%d",
+                    replicas, c["completed"], c["requests"], report.fmt(c["tokens_per_second"]), c["cache_share"],
+                    c["identical"], c["compared"])
+    machine = {k: v for k, v in machine_info(0).items() if k != "threads"}
+    results = {"started": started, "command": command, "machine": machine, "configs": configs,
+               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(render(results))
+    print(render(results))
+    failed = any(c["failed"] or c["identical"] != c["compared"] for c in configs)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
