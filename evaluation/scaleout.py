@@ -145,7 +145,8 @@ async def run_config(args: argparse.Namespace, replicas: int, prompts: list, log
             "errors": summary["errors"], "tokens_per_second": summary["tokens_per_second"],
             "elapsed_s": round(elapsed, 1), "cache_share": round(cached / (cached + computed), 4) if cached + computed else None,
             "prefix_tokens": {"cached": cached, "computed": computed},
-            "failovers": {k.split("{", 1)[1].rstrip("}"): delta(k) for k in after if k.startswith("specdec_replica_failovers_total")},
+            "failovers": {k.split("{", 1)[1].rstrip("}"): delta(k) for k in after
+                          if k.startswith("specdec_replica_failovers_total")},
             "calls_per_replica": per_replica, "killed": killed or None,
             "compared": len(compared), "identical": identical,
         }
