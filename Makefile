@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup run test test-fast test-reliability test-reliability-ci proto docs docker lint bench bench-load clean-cache
+.PHONY: setup run test test-fast test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load clean-cache
 
 setup: $(STAMP)
 
@@ -25,10 +25,10 @@ run: setup
 
 ## The test suite (what CI runs), without the long reliability suite below.
 test: setup
-	$(PY) -m pytest -ra -m "not reliability"
+	$(PY) -m pytest -ra -m "not reliability and not containers"
 
 test-fast: setup
-	$(PY) -m pytest -ra -m "not embedded and not browser and not reliability"
+	$(PY) -m pytest -ra -m "not embedded and not browser and not reliability and not containers"
 
 ## The reliability suite: HTTP and gRPC fuzzing, fault injection, a 16-client soak (docs/reliability.md).
 test-reliability: setup
@@ -37,6 +37,10 @@ test-reliability: setup
 ## Its CI form: the same with a 30 s soak (SPECDEC_SOAK_SECONDS overrides).
 test-reliability-ci: setup
 	SPECDEC_SOAK_SECONDS=$${SPECDEC_SOAK_SECONDS:-30} $(PY) -m pytest -ra tests/reliability
+
+## The image and the compose stack for real, with podman (as root; installs podman on Debian): docs/docker.md.
+test-containers: setup
+	bash scripts/containers/test.sh
 
 ## Regenerate the gRPC stubs from proto/ (tests fail when they are stale).
 proto:
