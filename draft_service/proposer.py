@@ -73,7 +73,9 @@ class ProposeJob(CpuAccounted):
         if self.sampling.greedy:
             token = int(probs.argmax())
         else:
-            token = sm.sample(probs, self.sampling.seed, len(self.tokens) + i, sm.STREAM_DRAFT)
+            # keyed by the round too (its start): a redraft after a rejection draws afresh
+            token = sm.sample(probs, sm.draft_seed(self.sampling.seed, len(self.tokens)), len(self.tokens) + i,
+                              sm.STREAM_DRAFT)
         self.drafted.append(token)
         self.confidences.append(float(probs[token]))
         if self.return_distributions:

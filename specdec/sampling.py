@@ -17,6 +17,13 @@ Randomness is keyed by (seed, absolute position, stream), not drawn from a runni
 retried call gives the same answer and a seeded request with the same k schedule the same output
 (the k schedule itself decides which draws are used, so the orchestrator keeps it timing-free
 for sampling requests).
+
+The draft's draws are keyed by the round as well: by the length of the sequence it drafts after
+(:func:`draft_seed`). The target's draws at a position are used once (the position is committed in
+that round, whatever the outcome), but after a rejection the next round drafts the same positions
+again; keyed by position alone it would redraw them with the same numbers, and a controller whose k
+depends on where the last draft stopped would pick k from the very draws it then uses. With the
+round in the key every round's draft draws are fresh, independent of everything seen before it.
 """
 
 from __future__ import annotations
@@ -67,6 +74,11 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.softmax(logits, dim=-1)
+
+
+def draft_seed(seed: int, round_start: int) -> int:
+    """The seed of the draft's draws in the round that drafts after ``round_start`` tokens."""
+    return _mix(seed, round_start, STREAM_DRAFT)
 
 
 def sample(probs: torch.Tensor, seed: int, position: int, stream: int) -> int:

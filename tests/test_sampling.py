@@ -105,3 +105,14 @@ def test_speculative_sampling_matches_target_distribution():
     chi2_q = float(((counts - q[0] * n_draws) ** 2 / (q[0] * n_draws)).sum())
     assert chi2_q > 100
     assert math.isclose(float(counts.sum()), n_draws)
+
+
+def test_draft_draws_are_fresh_in_every_round():
+    """A redraft of a position in a later round (after a rejection) draws new numbers: the draft's
+    draws are keyed by the round's start as well as by position."""
+    q = torch.full((10,), 0.1)
+    same = sum(sm.sample(q, sm.draft_seed(s, 10), 12, sm.STREAM_DRAFT) == sm.sample(q, sm.draft_seed(s, 11), 12,
+                                                                                     sm.STREAM_DRAFT)
+               for s in range(400))
+    assert same < 0.2 * 400  # independent draws agree ~10 % of the time; the same key would agree always
+    assert sm.draft_seed(7, 10) == sm.draft_seed(7, 10) and sm.draft_seed(7, 10) != sm.draft_seed(8, 10)
