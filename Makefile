@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup run test test-fast test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load clean-cache
+.PHONY: setup run test test-fast test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout clean-cache
 
 setup: $(STAMP)
 
@@ -62,6 +62,10 @@ bench: setup
 ## Throughput and latency under concurrent load (closed loop N = 1…32, both modes; see docs/benchmarks.md).
 bench-load: setup
 	$(PY) -m evaluation.load
+
+## Replicas behind one orchestrator under load, one target replica killed mid-load (docs/deploy.md).
+bench-scaleout: setup
+	$(PY) -m evaluation.scaleout
 
 clean-cache:
 	rm -rf $${SPECDEC_CACHE_DIR:-$$HOME/.cache/specdec}/models
