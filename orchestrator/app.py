@@ -424,7 +424,7 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
         prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, stop=stops, mode=spec.mode,
         confidence_threshold=(spec.confidence_threshold if spec.confidence_threshold is not None
                               else s.default_confidence_threshold),
-        ignore_eos=ignore_eos,
+        ignore_eos=ignore_eos, overlap=spec.overlap if spec.overlap is not None else s.default_overlap,
     )
     # Admission last: everything above only reads, so a rejected request holds no slot.
     if rt.active >= s.max_concurrent_requests:
@@ -442,7 +442,8 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
 async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """("step", StepEvent dict) per iteration, then ("done", result); errors as HTTPException."""
     rt = run.rt
-    controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs)
+    overlapped = run.params.overlap and run.params.sampling.greedy
+    controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs, overlap=overlapped)
     disconnected = request.is_disconnected if request is not None else None
     token_ids: list[int] = []
     try:
@@ -506,4 +507,4 @@ def to_step(s: dict[str, Any]) -> Step:
     correction = s["next_token"] if s["next_kind"] == "correction" else None
     bonus = s["next_token"] if s["next_kind"] != "correction" else None
     return Step(draft=s["draft"], accepted=s["accepted"], correction=correction, bonus=bonus, k=s["k"],
-                draft_ms=round(s["draft_ms"], 3), verify_ms=round(s["verify_ms"], 3))
+                draft_ms=round(s["draft_ms"], 3), verify_ms=round(s["verify_ms"], 3), predrafted=s["predrafted"])

@@ -38,6 +38,7 @@ class StepObservation:
     draft_sessions: float = 1.0  # mean sessions per batched draft step of the Propose
     verify_cpu_ms: float = 0.0  # CPU time of the target's process on that forward (0: unknown)
     draft_step_cpu_ms: float = 0.0  # mean CPU time of the draft's process per draft step (0: unknown)
+    predrafted: bool = False  # overlapped mode: the draft was made during the previous Verify
 
 
 class Controller(abc.ABC):
@@ -292,14 +293,23 @@ class CostController(Controller):
 
     Costs are properties of the deployment, not of the text, so the orchestrator passes one
     process-wide :class:`CostModel` to every request's controller; acceptance stays per request.
+
+    Overlapped (``overlap=True``, see orchestrator.loop): the draft of block i + 1 (k + 1 tokens,
+    the first a guess of the bonus token) runs while block i is verified. With probability
+    c = alpha^(k+1) the target takes the whole block and the guess, and the step costs
+    max(verify(k), draft(k + 1)); otherwise the pre-draft is dropped and the step costs its verify
+    plus a draft of k from the true sequence before the next one. So a step is expected to cost
+    c * max(V, D(k+1)) + (1 - c) * (V + D(k)): overlap pays most where the draft is slow or far
+    (a round trip to another host) and acceptance is high.
     """
 
     name = "cost"
 
     def __init__(self, k: int, max_k: int, costs: CostModel | None = None, decay: float = 0.8,
-                 probe_every: int = 8) -> None:
+                 probe_every: int = 8, overlap: bool = False) -> None:
         super().__init__(k, max_k)
         self.costs = costs or CostModel()
+        self.overlap = overlap
         self.decay = decay
         self.probe_every = probe_every
         # pseudo-counts of accepted tokens and rejections: prior alpha = 0.8
@@ -316,7 +326,7 @@ class CostController(Controller):
             return max(self.k, 1)  # explore: we need both costs before comparing
         rates = {}
         for k in range(0, self.max_k + 1):
-            rates[k] = expected_tokens(self.alpha, k) / self.costs.round_ms(k)
+            rates[k] = expected_tokens(self.alpha, k) / self.round_ms(k)
         self.last_choice = rates
         best = max(rates, key=rates.get)
         if best == 0:
@@ -327,6 +337,15 @@ class CostController(Controller):
             self._plain_steps = 0
         self.k = best
         return best
+
+    def round_ms(self, k: int) -> float:
+        """Expected milliseconds per step at k, alternating or overlapped (see the class docstring)."""
+        if not self.overlap or k == 0:
+            return self.costs.round_ms(k)
+        verify, draft, predraft = self.costs.verify_ms(k), self.costs.draft_ms(k), self.costs.draft_ms(k + 1)
+        c = self.alpha ** (k + 1)
+        wall = c * max(verify, predraft) + (1 - c) * (verify + draft)
+        return max(wall, self.costs.cpu_round_ms(k))
 
     def observe(self, step: StepObservation) -> None:
         # Costs are wall times as the client sees them: tokens per second is what we maximise.
@@ -342,8 +361,8 @@ class CostController(Controller):
             self.failures = self.decay * self.failures + rejected
 
 
-def make_controller(name: str, k: int, max_k: int, costs: CostModel | None = None) -> Controller:
-    """Controller by request name (see module docstring)."""
+def make_controller(name: str, k: int, max_k: int, costs: CostModel | None = None, overlap: bool = False) -> Controller:
+    """Controller by request name (see module docstring); ``overlap``: the request runs overlapped."""
     if name == "fixed":
         return FixedController(k, max_k)
     if name == "hf":
@@ -351,5 +370,5 @@ def make_controller(name: str, k: int, max_k: int, costs: CostModel | None = Non
     if name == "acceptance":
         return AcceptanceController(k, max_k)
     if name == "cost":
-        return CostController(k, max_k, costs)
+        return CostController(k, max_k, costs, overlap=overlap)
     raise ValueError(f"unknown controller {name!r}; choose fixed, acceptance, hf or cost")

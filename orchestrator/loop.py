@@ -4,11 +4,20 @@ Greedy output equals plain greedy decoding of the target token for token: the ta
 every token (accepted draft tokens are exactly its argmax), the draft only decides how many land
 per target pass. Sampling uses the lossless rejection scheme (see specdec.sampling), run inside
 the target service so only sparse draft distributions cross the wire.
+
+Overlapped mode (greedy requests): while the target verifies block i, the draft already drafts
+block i + 1 after the sequence plus block i, as if the target accepted all of it; its first token
+is its guess of the target's own (bonus) token. When the target does accept the whole block and
+its bonus token equals that guess, the rest of the pre-draft is the next block's draft at once,
+with no draft wait; otherwise the pre-draft is cancelled and the next block is drafted from the
+true sequence (the draft service crops its cache to the common prefix, as after any rejection).
+The output is the same either way: the target still decides every token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -20,7 +29,7 @@ from typing import Any, Literal
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.clients import DraftClient, Proposed, TargetClient
 from orchestrator.controller import Controller, StepObservation
 from specdec import params as sm
 
@@ -77,6 +86,7 @@ class GenerationParams:
     mode: Mode = "speculative"
     confidence_threshold: float = 0.0
     ignore_eos: bool = False
+    overlap: bool = False  # pre-draft the next block while this one is verified (greedy only)
 
 
 @dataclass
@@ -104,6 +114,7 @@ class StepEvent:
     batch_sessions: int = 1  # sessions in the target's batched forward pass that verified this step
     batch_rows: int = 0  # token rows in that pass, across its sessions
     draft_batch_sessions: float = 0.0  # mean sessions per batched draft step (0: no draft)
+    predrafted: bool = False  # the draft came from a pre-draft made during the previous Verify (overlapped)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +134,8 @@ class GenerationStats:
     elapsed_ms: float = 0.0
     first_token_ms: float = 0.0
     draft_fallbacks: int = 0
+    predrafted: int = 0  # steps whose draft came from a pre-draft (overlapped mode)
+    predrafts_dropped: int = 0  # pre-drafts cancelled or unusable (rejection, or a different bonus token)
 
     def to_dict(self) -> dict[str, Any]:
         it = max(self.iterations, 1)
@@ -149,6 +162,8 @@ class GenerationStats:
             "verify_ms_per_iteration": self.verify_ms / it,
             "overhead_ms_per_iteration": self.overhead_ms / it,
             "draft_fallbacks": self.draft_fallbacks,
+            "predrafted_iterations": self.predrafted,
+            "predrafts_dropped": self.predrafts_dropped,
         }
 
 
@@ -239,18 +254,43 @@ async def generate(
     stats = GenerationStats()
     detok = Detokenizer(decode, params.stop)
     speculative = params.mode == "speculative"
+    overlap = speculative and params.overlap and params.sampling.greedy
     draft_ok_for_request = speculative  # cleared when the draft rejects this request's input
     used_draft = False
     finish = "length"
     t_start = time.perf_counter()
-    # The RPC in flight, shielded from cancellation: when the client goes away mid-call, the
-    # Release below must reach the service after that call, or the call would re-create the session.
-    inflight: asyncio.Future | None = None
+    # RPCs in flight, shielded from cancellation: when the client goes away mid-call, the Release
+    # below must reach each service after its call, or the call would re-create the session.
+    inflight: set[asyncio.Future] = set()
+    predraft: asyncio.Future | None = None  # overlapped: Propose of the next block, sent with this Verify
+    ready: Proposed | None = None  # overlapped: the next block's draft, from that pre-draft
+
+    def track(coro: Any) -> asyncio.Future:
+        future = asyncio.ensure_future(coro)
+        inflight.add(future)
+        future.add_done_callback(inflight.discard)
+        return future
 
     async def call(coro: Any) -> Any:
-        nonlocal inflight
-        inflight = asyncio.ensure_future(coro)
-        return await asyncio.shield(inflight)
+        return await asyncio.shield(track(coro))
+
+    def draft_failed(exc: grpc.aio.AioRpcError) -> str:
+        nonlocal draft_ok_for_request
+        error = f"{exc.code().name}: {exc.details()}"
+        DRAFT_FALLBACKS.labels(exc.code().name.lower()).inc()
+        stats.draft_fallbacks += 1
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            draft_ok_for_request = False  # this input will not suit the draft; the service is fine
+        elif exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is not down: skip this step only
+            draft_health.failed(error)
+        return error
+
+    def drop_predraft() -> None:
+        nonlocal predraft
+        if predraft is not None:
+            predraft.cancel()  # the draft service drops it before its next draft step
+            stats.predrafts_dropped += 1
+            predraft = None
 
     ACTIVE.inc()
     try:
@@ -269,9 +309,14 @@ async def generate(
             if draft_ok_for_request and draft_health.usable() and len(seq) < limits.draft_max_context - 1:
                 k = min(controller.next_k(), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
             K_CHOSEN.observe(max(k, 0))
-            # 2. Fetch the draft (a failure only costs this step its draft).
+            # 2. Fetch the draft (a failure only costs this step its draft): the pre-draft when the
+            #    last step left one, else a Propose now.
             proposal, draft_error, draft_ms = None, "", 0.0
-            if k > 0:
+            predrafted = ready is not None and k > 0
+            if predrafted:
+                proposal = _first(ready, k)
+                stats.predrafted += 1
+            elif k > 0:
                 t_draft = time.perf_counter()
                 used_draft = True  # even a failed call may have created the session
                 try:
@@ -281,15 +326,16 @@ async def generate(
                 except grpc.aio.AioRpcError as exc:
                     # a failed call still cost its wait (up to the deadline): count it as draft time
                     draft_ms = (time.perf_counter() - t_draft) * 1e3
-                    draft_error = f"{exc.code().name}: {exc.details()}"
-                    DRAFT_FALLBACKS.labels(exc.code().name.lower()).inc()
-                    stats.draft_fallbacks += 1
-                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        draft_ok_for_request = False  # this input will not suit the draft; the service is fine
-                    elif exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is not down: skip this step only
-                        draft_health.failed(draft_error)
+                    draft_error = draft_failed(exc)
+            draft_wait_ms = 0.0 if predrafted else (proposal.wall_ms if proposal else draft_ms)
+            ready = None
             tokens = proposal.tokens if proposal else []
-            # 3. Verify in one target pass.
+            # 3. Verify in one target pass; overlapped, the draft drafts the next block meanwhile,
+            #    as if this one were accepted whole (its first token: a guess of the bonus token).
+            pre_k = min(k + 1, remaining - len(tokens) - 1, limits.draft_max_draft)
+            if overlap and tokens and pre_k >= 2 and len(seq) + len(tokens) < limits.draft_max_context - 1:
+                predraft = track(draft.propose(session_id, seq + tokens, pre_k, params.confidence_threshold,
+                                               params.sampling))
             try:
                 try:
                     v = await verify_when_admitted(call, functools.partial(
@@ -304,10 +350,11 @@ async def generate(
                     DRAFT_FALLBACKS.labels("refused_by_target").inc()
                     stats.draft_fallbacks += 1
                     draft_ok_for_request = False
-                    draft_ms = proposal.wall_ms if proposal else draft_ms
+                    drop_predraft()
                     proposal, tokens = None, []
                     v = await call(target.verify(session_id, seq, tokens, params.sampling))
             except grpc.aio.AioRpcError as exc:
+                drop_predraft()
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise BadRequest(exc.details()) from exc
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -329,6 +376,25 @@ async def generate(
             delta = detok.push(new, final=done)
             if detok.stopped:
                 finish, done = "stop", True
+            # 4.1 Overlapped: keep the pre-draft if the target took the whole block and its own
+            #     token is the pre-draft's first; otherwise drop it (the next Propose crops).
+            if predraft is not None:
+                if kind == "bonus" and not done:
+                    t_wait = time.perf_counter()
+                    try:
+                        pre = await asyncio.shield(predraft)
+                        draft_health.succeeded()
+                        if pre.tokens[:1] == [v.next_token] and len(pre.tokens) > 1:
+                            ready = _after_first(pre)
+                        else:
+                            stats.predrafts_dropped += 1
+                    except grpc.aio.AioRpcError as exc:
+                        draft_error = draft_failed(exc)
+                        stats.predrafts_dropped += 1
+                    draft_wait_ms += (time.perf_counter() - t_wait) * 1e3  # the draft was slower than the target
+                    predraft = None
+                else:
+                    drop_predraft()
             # 5. Adapt k and account.
             if proposal is not None:
                 draft_ms = proposal.wall_ms
@@ -336,20 +402,23 @@ async def generate(
             controller.observe(StepObservation(
                 k=k, proposed=len(tokens), accepted=v.num_accepted, draft_ms=draft_ms, verify_ms=v.wall_ms,
                 draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=stats.iterations > 0,
-                draft_catch_up=len(seq) - len(new) - proposal.cached_tokens if proposal else 0,
+                draft_catch_up=len(seq) - len(new) - proposal.cached_tokens if proposal and not predrafted else 0,
                 verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
                 draft_sessions=proposal.batch_sessions if proposal else 1.0,
                 verify_cpu_ms=v.step_cpu_ms, draft_step_cpu_ms=proposal.step_cpu_ms if proposal else 0.0,
+                predrafted=predrafted,
             ))
             stats.iterations += 1
             stats.tokens += len(new)
             stats.proposed += len(tokens)
             stats.accepted += v.num_accepted
-            stats.draft_ms += draft_ms
+            # The step's time split as the stream lived it: draft time is what it waited for drafts.
+            overhead_ms = max(step_ms - draft_wait_ms - v.wall_ms, 0.0)
+            stats.draft_ms += draft_wait_ms
             stats.verify_ms += v.wall_ms
             stats.draft_compute_ms += proposal.compute_ms if proposal else 0.0
             stats.verify_compute_ms += v.compute_ms
-            stats.overhead_ms += max(step_ms - draft_ms - v.wall_ms, 0.0)
+            stats.overhead_ms += overhead_ms
             if stats.iterations == 1:
                 stats.first_token_ms = (time.perf_counter() - t_start) * 1e3
             mode = params.mode
@@ -365,12 +434,12 @@ async def generate(
                 index=stats.iterations - 1, k=k, draft=tokens,
                 draft_confidences=proposal.confidences if proposal else [],
                 target_probs=v.target_probs, accepted=v.num_accepted, next_token=v.next_token, next_kind=kind,
-                next_token_prob=v.next_token_prob, tokens=new, text=delta, draft_ms=draft_ms, verify_ms=v.wall_ms,
+                next_token_prob=v.next_token_prob, tokens=new, text=delta, draft_ms=draft_wait_ms, verify_ms=v.wall_ms,
                 draft_compute_ms=proposal.compute_ms if proposal else 0.0, verify_compute_ms=v.compute_ms,
-                overhead_ms=max(step_ms - draft_ms - v.wall_ms, 0.0),
+                overhead_ms=overhead_ms,
                 draft_stop_reason=proposal.stop_reason if proposal else "", draft_error=draft_error,
                 batch_sessions=v.batch_sessions, batch_rows=v.batch_rows,
-                draft_batch_sessions=proposal.batch_sessions if proposal else 0.0,
+                draft_batch_sessions=proposal.batch_sessions if proposal else 0.0, predrafted=predrafted,
             )
             if done:
                 break
@@ -381,11 +450,28 @@ async def generate(
         yield finish, text, stats
     finally:
         ACTIVE.dec()
+        drop_predraft()
         # Free both caches now, even when cancelled; never let cleanup fail the request.
         clients = [target] + ([draft] if used_draft else [])
-        task = asyncio.get_running_loop().create_task(_release(clients, session_id, inflight))
+        task = asyncio.get_running_loop().create_task(_release(clients, session_id, set(inflight)))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
+
+
+def _first(p: Proposed, k: int) -> Proposed:
+    """The first k tokens of a proposal (a pre-draft may hold more than the next step's k)."""
+    if len(p.tokens) <= k:
+        return p
+    share = k / len(p.tokens)
+    return dataclasses.replace(p, tokens=p.tokens[:k], confidences=p.confidences[:k], distributions=p.distributions[:k],
+                               stop_reason="max_tokens", wall_ms=p.wall_ms * share, compute_ms=p.compute_ms * share)
+
+
+def _after_first(p: Proposed) -> Proposed:
+    """A pre-draft without its first token (the guess of the bonus token the target confirmed)."""
+    share = (len(p.tokens) - 1) / len(p.tokens)
+    return dataclasses.replace(p, tokens=p.tokens[1:], confidences=p.confidences[1:], distributions=p.distributions[1:],
+                               wall_ms=p.wall_ms * share, compute_ms=p.compute_ms * share)
 
 
 # A target whose queue is full answers RESOURCE_EXHAUSTED at once; a stream already under way waits
@@ -408,12 +494,10 @@ def _cut_at_stop(text: str, stop: list[str]) -> str:
     return text[: min(positions)] if positions else text
 
 
-async def _release(clients: list, session_id: str, inflight: asyncio.Future | None) -> None:
-    if inflight is not None and not inflight.done():
-        try:
-            await inflight
-        except Exception:  # its failure was already handled, or nobody is waiting for it any more
-            pass
+async def _release(clients: list, session_id: str, inflight: set[asyncio.Future]) -> None:
+    pending = [future for future in inflight if not future.done()]
+    if pending:  # their failures were already handled, or nobody is waiting for them any more
+        await asyncio.wait(pending)
     for client in clients:
         try:
             await client.release(session_id)

@@ -71,6 +71,10 @@ class SpeculationParams(BaseModel):
     confidence_threshold: float | None = Field(
         None, ge=0, le=1, description="Draft stops after a token whose draft probability is below this."
     )
+    overlap: bool | None = Field(
+        None, description="Draft the next block while the target verifies this one (greedy requests; "
+                          "default: the server's setting)."
+    )
 
 
 class SamplingFields(BaseModel):
@@ -107,8 +111,9 @@ class Step(BaseModel):
     correction: int | None = Field(None, description="Target token replacing the first rejected draft token.")
     bonus: int | None = Field(None, description="Target token after a fully accepted draft (or a plain step).")
     k: int
-    draft_ms: float
+    draft_ms: float = Field(description="Time this step waited for its draft (0 for a pre-drafted step).")
     verify_ms: float
+    predrafted: bool = Field(False, description="The draft was made while the previous step was verified (overlap).")
 
 
 class GenerateResponse(BaseModel):

@@ -1,0 +1,198 @@
+"""Overlapped speculation: the next block is drafted while the current one is verified.
+
+The loop runs against a real target engine (a tiny Llama, in process) and a scripted draft that
+knows the target's greedy continuation and errs where told, with a delay so that Propose and
+Verify really are in flight together. The output must equal plain greedy decoding whatever the
+pre-drafts did; the accounting must show pre-drafts used, dropped and cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.clients import Proposed
+from orchestrator.controller import CostController, CostModel, StepObservation, make_controller
+from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, StepEvent, generate
+from specdec import params as sm
+from specdec.models import load_hf
+from specdec.sessions import SessionStore
+from target_service.engine import TargetEngine
+from tests.conftest import greedy_reference
+from tests.test_hardening import PROMPT, _EngineTarget
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    return TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(8, 1 << 30, 0), max_draft_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return greedy_reference(engine.lm.model, PROMPT, N + 12)
+
+
+class ScriptedDraft:
+    """Proposes the target's own greedy continuation, except at the absolute positions in ``wrong``
+    (a different token there), after ``delay_s``; records every call and every cancellation."""
+
+    service = "draft"
+
+    def __init__(self, reference: list[int], wrong: set[int], delay_s: float = 0.01) -> None:
+        self.full = PROMPT + reference
+        self.wrong, self.delay_s = wrong, delay_s
+        self.calls: list[tuple[int, int]] = []  # (len(tokens), k)
+        self.cancelled = 0
+        self.running = 0
+        self.max_running = 0
+
+    async def propose(self, session_id, tokens, k, threshold, sampling):
+        self.calls.append((len(tokens), k))
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+        # a draft continues whatever it is given: it follows the reference only while its input does
+        on_track = list(tokens) == self.full[: len(tokens)]
+        out = []
+        for pos in range(len(tokens), len(tokens) + k):
+            if not on_track or pos >= len(self.full) or pos in self.wrong:
+                out.append(1 if self.full[pos % len(self.full)] != 1 else 2)
+                on_track = False
+            else:
+                out.append(self.full[pos])
+        return Proposed(out, [0.9] * k, "max_tokens", [], len(tokens), 1.0, self.delay_s * 1e3)
+
+    async def release(self, session_id: str) -> bool:
+        return True
+
+
+class SlowTarget(_EngineTarget):
+    """The in-process engine, taking ``delay_s`` like a real forward pass (so the pre-draft overlaps it)."""
+
+    def __init__(self, engine, delay_s: float = 0.02) -> None:
+        super().__init__(engine)
+        self.delay_s = delay_s
+
+    async def verify(self, *args, **kwargs):
+        await asyncio.sleep(self.delay_s)
+        return await super().verify(*args, **kwargs)
+
+
+async def run(engine, draft, params, controller):
+    limits = ModelLimits(engine.lm.max_context, 8, 1000, 8, set())
+    target = SlowTarget(engine)
+    events = [e async for e in generate(params, draft, target, controller, limits, DraftHealth(1.0), lambda ids: "")]
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    return steps, events[-1][2]
+
+
+@pytest.mark.parametrize("wrong", [set(), {len(PROMPT) + 5}, {len(PROMPT) + i for i in (2, 3, 9, 14, 15, 20)}],
+                         ids=["all-accepted", "one-rejection", "many-rejections"])
+async def test_overlapped_output_equals_plain_greedy(engine, reference, wrong):
+    draft = ScriptedDraft(reference, wrong)
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=True)
+    steps, stats = await run(engine, draft, params, make_controller("fixed", 3, 8))
+    assert [t for s in steps for t in s.tokens] == reference[:N]
+    # pre-drafts were used, and they really ran while the target verified
+    assert stats.predrafted > 0 and draft.max_running == 1
+    assert any(s.predrafted for s in steps) and not steps[0].predrafted
+    assert stats.iterations < N  # speculation paid: fewer target passes than tokens
+    if wrong:
+        # a rejection drops the pre-draft of the block after it
+        assert stats.predrafts_dropped > 0
+        assert any(s.next_kind == "correction" for s in steps)
+
+
+async def test_a_predraft_whose_guess_is_not_the_bonus_token_is_dropped(engine, reference):
+    """Block 0 (positions P..P+2) is accepted whole; the pre-draft's first token guesses the bonus
+    at P+3 wrongly, so its tokens were drafted after the wrong sequence: the next block is drafted
+    afresh."""
+    P = len(PROMPT)
+    draft = ScriptedDraft(reference, {P + 3})
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=12, ignore_eos=True, overlap=True)
+    steps, stats = await run(engine, draft, params, make_controller("fixed", 3, 8))
+    assert [t for s in steps for t in s.tokens] == reference[:12]
+    assert steps[0].next_kind == "bonus" and not steps[1].predrafted
+    assert draft.calls[:3] == [(P, 3), (P + 3, 4), (P + 4, 3)]  # fresh, pre-draft, fresh again
+    assert steps[2].predrafted  # and from there on the pipeline runs again
+    assert stats.predrafts_dropped >= 1
+
+
+async def test_alternating_makes_no_predraft(engine, reference):
+    draft = ScriptedDraft(reference, {len(PROMPT) + 5})
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=False)
+    steps, stats = await run(engine, draft, params, make_controller("fixed", 3, 8))
+    assert [t for s in steps for t in s.tokens] == reference[:N]
+    assert stats.predrafted == 0 and stats.predrafts_dropped == 0
+    assert len(draft.calls) == stats.iterations  # one Propose per step, after the sequence the target confirmed
+
+
+async def test_a_rejection_cancels_the_predraft_in_flight(engine, reference):
+    """With a draft slower than the target, the pre-draft is still running when Verify reports a
+    rejection: it is cancelled, not waited for."""
+    draft = ScriptedDraft(reference, {len(PROMPT) + 1}, delay_s=0.3)
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=6, ignore_eos=True, overlap=True)
+    steps, stats = await run(engine, draft, params, make_controller("fixed", 3, 8))
+    assert [t for s in steps for t in s.tokens] == reference[:6]
+    assert steps[0].next_kind == "correction"
+    assert draft.cancelled >= 1 and stats.predrafts_dropped >= 1
+
+
+async def test_sampling_requests_do_not_overlap(engine, reference):
+    draft = ScriptedDraft(reference, set())
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=8, ignore_eos=True, overlap=True,
+                              sampling=sm.Sampling(temperature=0.8, seed=3))
+
+    class Dist(ScriptedDraft):
+        async def propose(self, *args):
+            p = await super().propose(*args)
+            p.distributions = [([t], [1.0]) for t in p.tokens]
+            return p
+
+    draft = Dist(reference, set())
+    steps, stats = await run(engine, draft, params, make_controller("fixed", 3, 8))
+    assert stats.predrafted == 0 and len(draft.calls) == stats.iterations
+
+
+def _costs(verify_ms: dict[int, float], draft_ms_per_token: float) -> CostModel:
+    costs = CostModel()
+    for _ in range(20):
+        for k, ms in verify_ms.items():
+            costs.observe_verify(k, ms)
+        costs.observe_draft(4, 4 * draft_ms_per_token)
+    return costs
+
+
+def _steps(controller: CostController, alpha_runs: int) -> None:
+    for _ in range(alpha_runs):  # all accepted: alpha near 1
+        controller.observe(StepObservation(k=4, proposed=4, accepted=4, draft_ms=0, verify_ms=0, warm=False))
+
+
+def test_overlapped_cost_model_prefers_longer_drafts_when_the_draft_is_far():
+    """A draft 20 ms away per call costs an alternating stream its round trip every step; an
+    overlapped one hides it behind the verify, so its best k and its expected rate are higher."""
+    verify = {0: 30.0, 1: 33.0, 2: 36.0, 4: 42.0, 8: 54.0}
+    costs = _costs(verify, draft_ms_per_token=12.0)
+    alternating, overlapped = CostController(4, 8, costs), CostController(4, 8, costs, overlap=True)
+    for c in (alternating, overlapped):
+        _steps(c, 30)
+        c.next_k()
+    best_alt = max(alternating.last_choice.values())
+    best_ovl = max(overlapped.last_choice.values())
+    assert best_ovl > best_alt
+    # k = 0 is plain decoding either way
+    assert alternating.last_choice[0] == pytest.approx(overlapped.last_choice[0])
+    # with every draft rejected, overlap buys nothing: the expected step is verify + draft
+    stuck = CostController(4, 8, costs, overlap=True)
+    for _ in range(30):
+        stuck.observe(StepObservation(k=4, proposed=4, accepted=0, draft_ms=0, verify_ms=0, warm=False))
+    assert stuck.round_ms(4) == pytest.approx(costs.verify_ms(4) + costs.draft_ms(4), rel=0.02)
