@@ -124,6 +124,7 @@ async def connect(rt: Runtime) -> None:
         draft_max_context=draft.max_context if draft is not None else 0,
         draft_max_draft=draft.max_draft_tokens if draft is not None else 0,
         eos_token_ids=set(target.eos_token_ids),
+        draft_shares_host=draft is not None and bool(target.host_id) and draft.host_id == target.host_id,
     )
     rt.not_ready = "" if draft is not None else rt.not_ready
 

@@ -199,6 +199,7 @@ class ModelLimits:
     draft_max_context: int
     draft_max_draft: int
     eos_token_ids: set[int]
+    draft_shares_host: bool = False  # draft and target compute on the same host (their Info's host_id)
 
 
 class Detokenizer:
@@ -328,6 +329,8 @@ async def generate(
                     draft_ms = (time.perf_counter() - t_draft) * 1e3
                     draft_error = draft_failed(exc)
             draft_wait_ms = 0.0 if predrafted else (proposal.wall_ms if proposal else draft_ms)
+            if ready is not None and not predrafted:
+                stats.predrafts_dropped += 1  # the controller chose a plain step
             ready = None
             tokens = proposal.tokens if proposal else []
             # 3. Verify in one target pass; overlapped, the draft drafts the next block meanwhile,
@@ -339,7 +342,8 @@ async def generate(
             try:
                 try:
                     v = await verify_when_admitted(call, functools.partial(
-                        target.verify, session_id, seq, tokens, params.sampling, proposal.distributions if proposal else ()))
+                        target.verify, session_id, seq, tokens, params.sampling, proposal.distributions if proposal else (),
+                        yield_cores=predraft is not None and limits.draft_shares_host))
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not tokens:
                         raise

@@ -43,6 +43,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             sampling_from_pb(request.sampling),
             [(d.token_ids, d.probs) for d in request.draft_distributions],
             request.return_target_probs,
+            request.yield_cores,
         )
         result = self._compute.submit(self.engine, job, context) if self._compute else self.engine.run(job)
         STEPS.inc()

@@ -18,3 +18,7 @@ class TargetSettings(ModelServiceSettings):
     max_batch_rows: int = Field(
         256, ge=1, description="Token rows per batched forward pass; long prompts are prefilled in chunks within it."
     )
+    overlap_threads: int = Field(
+        1, ge=0, description="Threads of a pass verifying while a draft computes on the same host (overlapped "
+                             "speculation asks for it); 0: all of `threads`."
+    )

@@ -87,9 +87,9 @@ class SlowTarget(_EngineTarget):
         return await super().verify(*args, **kwargs)
 
 
-async def run(engine, draft, params, controller):
-    limits = ModelLimits(engine.lm.max_context, 8, 1000, 8, set())
-    target = SlowTarget(engine)
+async def run(engine, draft, params, controller, shared_host=True, target=None):
+    limits = ModelLimits(engine.lm.max_context, 8, 1000, 8, set(), draft_shares_host=shared_host)
+    target = target or SlowTarget(engine)
     events = [e async for e in generate(params, draft, target, controller, limits, DraftHealth(1.0), lambda ids: "")]
     steps = [e for e in events if isinstance(e, StepEvent)]
     return steps, events[-1][2]
@@ -125,6 +125,36 @@ async def test_a_predraft_whose_guess_is_not_the_bonus_token_is_dropped(engine, 
     assert draft.calls[:3] == [(P, 3), (P + 3, 4), (P + 4, 3)]  # fresh, pre-draft, fresh again
     assert steps[2].predrafted  # and from there on the pipeline runs again
     assert stats.predrafts_dropped >= 1
+
+
+@pytest.mark.parametrize("shared_host", [True, False])
+async def test_a_verify_next_to_a_predraft_on_the_same_host_yields_cores(engine, reference, shared_host):
+    draft, target = ScriptedDraft(reference, {len(PROMPT) + 5}), SlowTarget(engine)
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=True)
+    _, stats = await run(engine, draft, params, make_controller("fixed", 3, 8), shared_host, target)
+    # every pre-draft ran next to a Verify, which yielded cores when the two share a host
+    launched = stats.predrafted + stats.predrafts_dropped
+    assert launched > 0 and target.yield_cores.count(True) == (launched if shared_host else 0)
+    assert target.yield_cores[0] == shared_host  # the first block's Verify already has the second's pre-draft
+
+
+def test_the_target_runs_a_yielding_pass_on_its_overlap_threads(tiny_models):
+    import torch
+
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(8, 1 << 30, 0), max_draft_tokens=8,
+                          overlap_threads=1)
+    seen = []
+    forward = engine.lm.forward_batch
+    engine.lm.forward_batch = lambda requests: (seen.append(torch.get_num_threads()), forward(requests))[1]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plain = engine.verify("a", PROMPT, [1, 2], sm.Sampling())
+        yielding = engine.verify("a", PROMPT, [1, 2], sm.Sampling(), yield_cores=True)
+        assert seen == [2, 1] and torch.get_num_threads() == 2
+        assert (plain.num_accepted, plain.next_token) == (yielding.num_accepted, yielding.next_token)
+    finally:
+        torch.set_num_threads(before)
 
 
 async def test_alternating_makes_no_predraft(engine, reference):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.reliability.faultproxy import FaultProxy
+from evaluation.faultproxy import FaultProxy
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from evaluation.faultproxy import FaultProxy
 from tests.conftest import Proc, free_port, start_orchestrator
-from tests.reliability.faultproxy import FaultProxy
 from tests.reliability.helpers import Outcome, post, start_service_on, stream, summarize, write_report
 from tests.test_orchestrator import PROMPTS
 

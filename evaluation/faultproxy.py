@@ -1,4 +1,4 @@
-"""A fault-injecting TCP proxy for reliability tests (127.0.0.1 only).
+"""A fault-injecting TCP proxy for reliability tests and the round-trip benchmark (127.0.0.1 only).
 
 It forwards bytes between a listen port and an upstream ``host:port`` and can switch, at run time
 and for existing as well as new connections, between these modes:
