@@ -11,6 +11,8 @@ Modes (``--modes`` takes names or shell patterns such as ``'sd-fixed-*'``):
   sd-autoregressive   (c) specdec with no draft (``mode: autoregressive``) through the services
   sd-fixed-k1 … k8    (d) specdec speculative, fixed draft length k
   sd-acceptance, sd-hf, sd-cost   (d) specdec speculative with each adaptive controller
+  sd-overlap-fixed-k3 … k8, sd-overlap-cost   (d) overlapped: the draft drafts block i + 1 while the
+                          target verifies block i (``overlap: true``)
   ngram-fixed-k4, ngram-cost      (e) a second draft service with the n-gram backend and its own orchestrator
 
 Runs are interleaved: for every prompt and repeat all modes run back to back, in an order rotated
@@ -61,6 +63,10 @@ def all_modes() -> list[Mode]:
     modes += [Mode(f"sd-fixed-k{k}", "specdec", body={"controller": "fixed", "k": k, "max_k": MAX_FIXED_K})
               for k in range(1, MAX_FIXED_K + 1)]
     modes += [Mode(f"sd-{c}", "specdec", body={"controller": c}) for c in ("acceptance", "hf", "cost")]
+    # overlapped: the next block is drafted while this one is verified
+    modes += [Mode(f"sd-overlap-fixed-k{k}", "specdec", body={"controller": "fixed", "k": k, "max_k": MAX_FIXED_K,
+                                                              "overlap": True}) for k in (3, 4, 6, 8)]
+    modes += [Mode("sd-overlap-cost", "specdec", body={"controller": "cost", "overlap": True})]
     modes += [Mode("ngram-fixed-k4", "specdec", stack="ngram", body={"controller": "fixed", "k": 4}),
               Mode("ngram-cost", "specdec", stack="ngram", body={"controller": "cost"})]
     return modes

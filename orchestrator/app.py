@@ -285,7 +285,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
             "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()},
             "defaults": {
                 "controller": settings.default_controller, "k": settings.default_k, "max_k": settings.default_max_k,
-                "confidence_threshold": settings.default_confidence_threshold,
+                "confidence_threshold": settings.default_confidence_threshold, "overlap": settings.default_overlap,
                 "max_tokens": settings.default_max_tokens, "max_tokens_limit": settings.max_tokens_limit,
             },
             "has_chat_template": bool(getattr(rt.tokenizer, "chat_template", None)),

@@ -133,6 +133,17 @@ def test_summary_speedups_ideal_and_fraction():
     assert "split" not in s["hf-plain"]
 
 
+def test_overlapped_ideal_counts_only_the_draft_time_waited_for():
+    ar = _stats(100, 100, 0, 0, 0, 0, 4200, 4000, 100)  # 40 ms compute per token
+    # 25 iterations of 4 tokens: 20 ms of draft compute each, but the steps waited only 4 ms for drafts
+    ov = dict(_stats(100, 25, 100, 75, 100, 500, 1600, 1500, 50), predrafted_iterations=20)
+    alt = _stats(100, 25, 100, 75, 600, 500, 1600, 1500, 50)
+    runs = [_run("sd-autoregressive", "p1", 100, 4300, ar), _run("ov", "p1", 100, 1750, ov), _run("alt", "p1", 100, 2150, alt)]
+    s = summarise(runs, ["sd-autoregressive", "ov", "alt"])
+    assert s["ov"]["ideal_speedup"] == pytest.approx(4 * 40 / (4 + 60))
+    assert s["alt"]["ideal_speedup"] == pytest.approx(4 * 40 / (20 + 60))
+
+
 def test_paired_speedup_needs_pairs():
     runs = [_run("a", "p1", 10, 1000), _run("b", "p2", 10, 500)]
     assert paired_speedup(runs, "b", "a") is None
