@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup run test test-fast test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout clean-cache
+.PHONY: setup run test test-fast test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout bench-rtt clean-cache
 
 setup: $(STAMP)
 
@@ -66,6 +66,10 @@ bench-load: setup
 ## Replicas behind one orchestrator under load, one target replica killed mid-load (docs/deploy.md).
 bench-scaleout: setup
 	$(PY) -m evaluation.scaleout
+
+## Speedup against the round trip to the draft (0/1/5/20 ms through a delay proxy), alternating and overlapped (as root: netns).
+bench-rtt: setup
+	$(PY) -m evaluation.rtt
 
 clean-cache:
 	rm -rf $${SPECDEC_CACHE_DIR:-$$HOME/.cache/specdec}/models

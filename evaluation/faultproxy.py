@@ -21,6 +21,7 @@ The proxy runs its own event loop in a daemon thread; every public method is thr
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 import logging
 import socket
@@ -91,8 +92,8 @@ class FaultProxy:
 
     def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", listen_port: int = 0,
                  name: str = "proxy") -> None:
-        if upstream_host not in ("127.0.0.1", "localhost", "::1"):
-            raise ValueError("the fault proxy forwards to the loopback interface only")
+        if upstream_host != "localhost" and not ipaddress.ip_address(upstream_host).is_private:
+            raise ValueError("the fault proxy forwards to loopback or private addresses only (a local veth, say)")
         self.name = name
         self.upstream = (upstream_host, upstream_port)
         self.port = listen_port

@@ -146,6 +146,9 @@ def test_upstream_down_closes_the_client(echo_port):
             pass  # closed either way (even during connect()); what matters is that it does not hang
 
 
-def test_loopback_only():
-    with pytest.raises(ValueError):
-        FaultProxy(80, upstream_host="10.0.0.1")
+def test_local_networks_only():
+    """Loopback and private addresses (a veth into a namespace of our own); nothing public."""
+    for public in ("8.8.8.8", "2001:4860:4860::8888"):
+        with pytest.raises(ValueError, match="private"):
+            FaultProxy(80, upstream_host=public)
+    assert FaultProxy(80, upstream_host="10.231.0.2").upstream == ("10.231.0.2", 80)
