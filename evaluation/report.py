@@ -72,6 +72,7 @@ SPLIT_COLUMNS: list[tuple[str, Cell]] = [
     ("iterations", lambda s: fmt(_get(s, "split", "iterations"))),
     ("draft compute", lambda s: fmt(_get(s, "split", "draft_compute_ms_per_iteration"))),
     ("draft RPC", lambda s: fmt(_get(s, "split", "draft_rpc_ms_per_iteration"))),
+    ("draft hidden behind verify", lambda s: fmt(_get(s, "split", "draft_hidden_ms_per_iteration"))),
     ("verify compute", lambda s: fmt(_get(s, "split", "verify_compute_ms_per_iteration"))),
     ("verify RPC", lambda s: fmt(_get(s, "split", "verify_rpc_ms_per_iteration"))),
     ("loop", lambda s: fmt(_get(s, "split", "loop_ms_per_iteration"))),

@@ -69,9 +69,14 @@ def time_split(stats_list: Iterable[dict[str, Any]]) -> dict[str, float]:
         for key in t:
             t[key] += s.get(key, 0)
     it, tok = max(t["iterations"], 1), max(t["tokens"], 1)
+    # draft_ms is the time steps waited for drafts. Alternating, that is the whole draft compute
+    # plus its RPC; overlapped, a pre-draft computes while the target verifies, and only what
+    # outlasted the verify was waited for: that share of the compute is on the critical path, the
+    # rest is hidden.
+    on_path = min(t["draft_compute_ms"], t["draft_ms"])
     parts = {
-        "draft_compute": t["draft_compute_ms"],
-        "draft_rpc": t["draft_ms"] - t["draft_compute_ms"],
+        "draft_compute": on_path,
+        "draft_rpc": t["draft_ms"] - on_path,
         "verify_compute": t["verify_compute_ms"],
         "verify_rpc": t["verify_ms"] - t["verify_compute_ms"],
         "loop": t["overhead_ms"],
@@ -79,6 +84,7 @@ def time_split(stats_list: Iterable[dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {f"{k}_ms_per_iteration": v / it for k, v in parts.items()}
     out.update({f"{k}_ms_per_token": v / tok for k, v in parts.items()})
     out.update({
+        "draft_hidden_ms_per_iteration": (t["draft_compute_ms"] - on_path) / it,
         "iterations": t["iterations"], "tokens": t["tokens"],
         "tokens_per_iteration": t["tokens"] / it,
         "acceptance_rate": t["accepted_tokens"] / t["draft_tokens"] if t["draft_tokens"] else math.nan,
@@ -127,16 +133,13 @@ def summarise(runs: list[dict[str, Any]], modes: Sequence[str], plain: str = "hf
             s["mean_k"] = _mean([r["mean_k"] for r in rs if r.get("mean_k") is not None])
             s["http_ms_per_request"] = _mean([r["wall_ms"] - r["elapsed_ms"] for r in rs if r.get("wall_ms")])
             elapsed = sum(r["stats"]["elapsed_ms"] for r in rs)
-            compute = sum(r["stats"]["draft_compute_ms"] + r["stats"]["verify_compute_ms"] for r in rs)
-            s["compute_share"] = compute / elapsed if elapsed > 0 else None  # of the loop's wall time
+            # compute on the critical path (a pre-draft's hidden compute is not), of the loop's wall time
+            compute = split["iterations"] * (split["draft_compute_ms_per_iteration"] + split["verify_compute_ms_per_iteration"])
+            s["compute_share"] = compute / elapsed if elapsed > 0 else None
             if ar_cost is not None and split["draft_tokens_per_iteration"] > 0:
-                # Overlapped runs draft while the target verifies: only the draft time a step
-                # waited for (draft_ms: its critical path) adds to its cost, at most the compute.
-                draft_cost = split["draft_compute_ms_per_iteration"]
-                if any(r["stats"].get("predrafted_iterations") for r in rs):
-                    waited = split["draft_compute_ms_per_iteration"] + split["draft_rpc_ms_per_iteration"]
-                    draft_cost = min(draft_cost, waited)
-                s["ideal_speedup"] = ideal_speedup(split["tokens_per_iteration"], ar_cost, draft_cost,
+                # overlapped, only the draft compute a step waited for adds to its cost
+                s["ideal_speedup"] = ideal_speedup(split["tokens_per_iteration"], ar_cost,
+                                                   split["draft_compute_ms_per_iteration"],
                                                    split["verify_compute_ms_per_iteration"])
         for key, base in (("vs_autoregressive", autoregressive), ("vs_plain", plain), ("vs_assisted", best_assisted)):
             if base and base != m and base in speed:

@@ -425,7 +425,8 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
         prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, stop=stops, mode=spec.mode,
         confidence_threshold=(spec.confidence_threshold if spec.confidence_threshold is not None
                               else s.default_confidence_threshold),
-        ignore_eos=ignore_eos, overlap=spec.overlap if spec.overlap is not None else s.default_overlap,
+        ignore_eos=ignore_eos,
+        overlap=spec.overlap if spec.overlap is not None else {"on": True, "off": False, "auto": None}[s.default_overlap],
     )
     # Admission last: everything above only reads, so a rejected request holds no slot.
     if rt.active >= s.max_concurrent_requests:
@@ -443,8 +444,7 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
 async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """("step", StepEvent dict) per iteration, then ("done", result); errors as HTTPException."""
     rt = run.rt
-    overlapped = run.params.overlap and run.params.sampling.greedy
-    controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs, overlap=overlapped)
+    controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs)
     disconnected = request.is_disconnected if request is not None else None
     token_ids: list[int] = []
     try:

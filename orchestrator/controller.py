@@ -43,6 +43,7 @@ class StepObservation:
 
 class Controller(abc.ABC):
     name: str = ""
+    overlap: bool = False  # set by the loop before each step: the step runs overlapped (see CostController)
 
     def __init__(self, k: int, max_k: int) -> None:
         self.max_k = max_k
@@ -361,8 +362,8 @@ class CostController(Controller):
             self.failures = self.decay * self.failures + rejected
 
 
-def make_controller(name: str, k: int, max_k: int, costs: CostModel | None = None, overlap: bool = False) -> Controller:
-    """Controller by request name (see module docstring); ``overlap``: the request runs overlapped."""
+def make_controller(name: str, k: int, max_k: int, costs: CostModel | None = None) -> Controller:
+    """Controller by request name (see module docstring)."""
     if name == "fixed":
         return FixedController(k, max_k)
     if name == "hf":
@@ -370,5 +371,5 @@ def make_controller(name: str, k: int, max_k: int, costs: CostModel | None = Non
     if name == "acceptance":
         return AcceptanceController(k, max_k)
     if name == "cost":
-        return CostController(k, max_k, costs, overlap=overlap)
+        return CostController(k, max_k, costs)
     raise ValueError(f"unknown controller {name!r}; choose fixed, acceptance, hf or cost")

@@ -72,6 +72,9 @@ class BadRequest(Exception):
     """The target rejected the request's input (INVALID_ARGUMENT): HTTP 400 with this reason."""
 
 
+# Generations in progress in this process (the event loop's thread only: no lock).
+_in_progress = 0
+
 # Release calls still running after their request ended; the event loop keeps only weak
 # references to tasks, so an unreferenced one could be collected before it runs.
 _BACKGROUND: set[asyncio.Task] = set()
@@ -86,7 +89,10 @@ class GenerationParams:
     mode: Mode = "speculative"
     confidence_threshold: float = 0.0
     ignore_eos: bool = False
-    overlap: bool = False  # pre-draft the next block while this one is verified (greedy only)
+    # Pre-draft the next block while this one is verified (greedy only): True always, False never,
+    # None while this is the only generation in progress here (under concurrency the batched passes
+    # already fill the cores, and a Verify yielding cores to a pre-draft would slow everyone's).
+    overlap: bool | None = False
 
 
 @dataclass
@@ -255,7 +261,7 @@ async def generate(
     stats = GenerationStats()
     detok = Detokenizer(decode, params.stop)
     speculative = params.mode == "speculative"
-    overlap = speculative and params.overlap and params.sampling.greedy
+    can_overlap = speculative and params.overlap is not False and params.sampling.greedy
     draft_ok_for_request = speculative  # cleared when the draft rejects this request's input
     used_draft = False
     finish = "length"
@@ -293,6 +299,8 @@ async def generate(
             stats.predrafts_dropped += 1
             predraft = None
 
+    global _in_progress
+    _in_progress += 1
     ACTIVE.inc()
     try:
         while True:
@@ -305,6 +313,8 @@ async def generate(
             if remaining <= 0:
                 finish = "length"
                 break
+            overlap = can_overlap and (params.overlap is True or _in_progress == 1)
+            controller.overlap = overlap  # the cost controller prices k for the schedule it gets
             # 1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left.
             k = 0
             if draft_ok_for_request and draft_health.usable() and len(seq) < limits.draft_max_context - 1:
@@ -453,6 +463,7 @@ async def generate(
         text = _cut_at_stop(detok.text, params.stop) if detok.stopped else detok.text
         yield finish, text, stats
     finally:
+        _in_progress -= 1
         ACTIVE.dec()
         drop_predraft()
         # Free both caches now, even when cancelled; never let cleanup fail the request.

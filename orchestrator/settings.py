@@ -47,9 +47,10 @@ class OrchestratorSettings(BaseSettings):
     default_confidence_threshold: float = Field(
         0.3, ge=0, le=1, description="Draft stops after a token whose draft probability is below this."
     )
-    default_overlap: bool = Field(
-        False, description="Overlapped speculation for greedy requests that do not choose: the draft drafts the "
-                           "next block while the target verifies this one (docs/performance.md)."
+    default_overlap: Literal["auto", "on", "off"] = Field(
+        "auto", description="Overlapped speculation for greedy requests that do not choose (the draft drafts the next "
+                            "block while the target verifies this one): on, off, or auto — while a request is the only "
+                            "one in progress here (docs/performance.md)."
     )
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none.")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")

@@ -141,6 +141,10 @@ def test_overlapped_ideal_counts_only_the_draft_time_waited_for():
     runs = [_run("sd-autoregressive", "p1", 100, 4300, ar), _run("ov", "p1", 100, 1750, ov), _run("alt", "p1", 100, 2150, alt)]
     s = summarise(runs, ["sd-autoregressive", "ov", "alt"])
     assert s["ov"]["ideal_speedup"] == pytest.approx(4 * 40 / (4 + 60))
+    split = s["ov"]["split"]
+    assert (split["draft_compute_ms_per_iteration"], split["draft_rpc_ms_per_iteration"]) == (4.0, 0.0)
+    assert split["draft_hidden_ms_per_iteration"] == pytest.approx(16.0)
+    assert s["alt"]["split"]["draft_hidden_ms_per_iteration"] == 0.0
     assert s["alt"]["ideal_speedup"] == pytest.approx(4 * 40 / (20 + 60))
 
 

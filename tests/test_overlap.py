@@ -157,6 +157,18 @@ def test_the_target_runs_a_yielding_pass_on_its_overlap_threads(tiny_models):
         torch.set_num_threads(before)
 
 
+async def test_auto_overlaps_only_a_request_alone(engine, reference):
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=None)
+    _, alone = await run(engine, ScriptedDraft(reference, set()), params, make_controller("fixed", 3, 8))
+    assert alone.predrafted > 0
+    together = await asyncio.gather(*(run(engine, ScriptedDraft(reference, set()), params, make_controller("fixed", 3, 8))
+                                      for _ in range(2)))
+    # both streams start together; the one that ends first leaves the other alone for its last steps
+    assert min(stats.predrafted for _, stats in together) == 0
+    for steps, _ in together:
+        assert [t for s in steps for t in s.tokens] == reference[:N]
+
+
 async def test_alternating_makes_no_predraft(engine, reference):
     draft = ScriptedDraft(reference, {len(PROMPT) + 5})
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=False)

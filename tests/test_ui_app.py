@@ -261,14 +261,18 @@ def test_options_reach_the_request(fake):
     at.slider(key="temperature").set_value(0.5)
     at.number_input(key="seed").set_value(7)
     at.checkbox(key="ignore_eos").check()
-    assert at.checkbox(key="overlap").value is False  # the server's default (DEFAULTS has none: off)
-    at.checkbox(key="overlap").check()
+    assert at.radio(key="overlap").value == "off"  # the server's default (DEFAULTS has none: off)
+    at.radio(key="overlap").set_value("on")
     at.run()
     submit(at, "Hello")
     body = fake.requests[-1]
     assert body["mode"] == "autoregressive" and body["controller"] == "fixed" and body["k"] == 2
     assert body["temperature"] == 0.5 and body["seed"] == 7 and body["ignore_eos"] is True
     assert body["overlap"] is True
+    at.radio(key="overlap").set_value("auto")
+    at.run()
+    submit(at, "Hello")
+    assert "overlap" not in fake.requests[-1]  # auto: the server's default decides
     [html] = stream_html(at)
     assert html.count("tok tok-plain") == 8 and "tok-accepted" not in html
     assert metrics(at)["Acceptance rate"] == "n/a"

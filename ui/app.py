@@ -135,8 +135,12 @@ def decoding_controls(defaults: dict[str, Any]) -> dict[str, Any]:
     threshold = st.slider("Confidence threshold", 0.0, 1.0, float(defaults.get("confidence_threshold", 0.3)),
                           0.05, key="threshold",
                           help="The draft stops early after a token it is less sure of than this.")
-    overlap = st.checkbox("Overlap drafting with verification", value=bool(defaults.get("overlap", False)), key="overlap",
-                          help="The draft drafts the next block while the target verifies this one (greedy only).")
+    choices = ["auto", "on", "off"]
+    default_overlap = defaults.get("overlap", "off")
+    overlap = st.radio("Overlap drafting with verification", choices, horizontal=True, key="overlap",
+                       index=choices.index(default_overlap) if default_overlap in choices else 2,
+                       help="The draft drafts the next block while the target verifies this one (greedy only); "
+                            "auto: while this is the only request in progress.")
     st.header("Sampling")
     limit = int(defaults.get("max_tokens_limit", 4096))
     max_tokens = st.number_input("Max tokens", min_value=1, max_value=limit,
@@ -151,7 +155,8 @@ def decoding_controls(defaults: dict[str, Any]) -> dict[str, Any]:
                              help="Keep generating up to max tokens.")
     return {
         "mode": mode, "controller": controller, "k": int(k), "max_k": int(max_k),
-        "confidence_threshold": round(float(threshold), 4), "overlap": bool(overlap), "max_tokens": int(max_tokens),
+        "confidence_threshold": round(float(threshold), 4),
+        "overlap": {"on": True, "off": False}.get(overlap), "max_tokens": int(max_tokens),
         "temperature": round(float(temperature), 4), "top_p": round(float(top_p), 4), "top_k": int(top_k),
         "seed": int(seed) if seed is not None else None, "ignore_eos": bool(ignore_eos),
     }
