@@ -143,6 +143,17 @@ class LinearFit:
             slope = max((self.sxy / self.w - mean_x * mean_y) / var, 0.0)
         return max(mean_y + slope * (x - mean_x), 0.1)
 
+    def intercept(self) -> float:
+        """y at x = 0 (at least 0); 0 until two different x have been seen."""
+        if self.w == 0:
+            return 0.0
+        mean_x, mean_y = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mean_x * mean_x
+        if var < 1e-6:
+            return 0.0
+        slope = max((self.sxy / self.w - mean_x * mean_y) / var, 0.0)
+        return max(mean_y - slope * mean_x, 0.0)
+
 
 class CostModel:
     """Running estimates of what a step costs, in milliseconds of wall time as the client sees it,
@@ -152,8 +163,10 @@ class CostModel:
       in it: verify_ms ~ a + b * R. A request choosing k adds k + 1 rows; the other sessions sharing
       the pass (``verify_sessions``, a running mean of what the target reports) add theirs, so
       with everyone at k the pass has ``verify_sessions * (k + 1)`` rows.
-    - Draft: k batched draft steps, each costing more with the sessions sharing it:
-      ms per step ~ c + d * S, S the running mean of sessions per draft step.
+    - Draft: a fixed cost per Propose call (its round trip: large when the draft is on another host)
+      plus k batched draft steps, each costing more with the sessions sharing it:
+      draft_ms ~ call + k * (c + d * S), S the running mean of sessions per draft step; ``call``
+      is the intercept of Propose wall time against the tokens it proposed.
 
     Both fits are measured at run time from what the services report with every call, so as the
     machine fills, verify and draft cost more, and the k that maximises tokens per second falls,
@@ -177,7 +190,8 @@ class CostModel:
 
     def __init__(self, decay: float = 0.9, share_decay: float = 0.8) -> None:
         self.verify = LinearFit(decay)  # wall ms of Verify by token rows of its forward pass
-        self.draft_step = LinearFit(decay)  # wall ms per draft step by sessions per step
+        self.draft_step = LinearFit(decay)  # wall ms per draft step (the call's fixed cost aside) by sessions per step
+        self.draft_call = LinearFit(decay)  # wall ms of a Propose by tokens proposed: intercept = fixed cost per call
         self.share_decay = share_decay
         self.verify_sessions = 1.0  # running mean of sessions per verify pass
         self.draft_sessions = 1.0  # running mean of sessions per draft step
@@ -216,7 +230,9 @@ class CostModel:
         d = self.share_decay
         self.draft_sessions = d * self.draft_sessions + (1 - d) * max(sessions, 1.0)
         if catch_up <= self.MAX_CATCH_UP:
-            self.draft_step.add(max(sessions, 1.0), ms / proposed)
+            self.draft_call.add(proposed, ms)
+            fixed = min(self.draft_call.intercept(), 0.9 * ms)
+            self.draft_step.add(max(sessions, 1.0), (ms - fixed) / proposed)
             if step_cpu_ms > 0:
                 self.draft_cpu.add(max(sessions, 1.0), step_cpu_ms)
 
@@ -241,7 +257,7 @@ class CostModel:
         if k == 0:
             return 0.0
         step = self.draft_step.predict(self.draft_sessions, 0.2)
-        return None if step is None else k * step
+        return None if step is None else self.draft_call.intercept() + k * step
 
     def cpu_round_ms(self, k: int) -> float:
         """Time the busiest host needs to run one step of every stream in progress, all at k, from

@@ -221,3 +221,25 @@ def test_unknown_hosts_mean_no_cpu_term():
     m, _ = _cpu_bound_costs(None, None)
     assert m.cpu_round_ms(3) == 0.0
     assert m.round_ms(3) == pytest.approx(m.verify_ms(3) + m.draft_ms(3))
+
+
+@pytest.mark.parametrize("rtt_ms", [0.0, 5.0, 20.0])
+def test_a_far_draft_costs_a_round_trip_per_call_not_per_token(rtt_ms):
+    """A Propose of k tokens costs rtt + k * step. Priced per token alone (wall / tokens), a 20 ms
+    round trip made one-token drafts look 3x dearer than they are and pushed k to 0, where a
+    measured run showed k = 4 still 1.3x faster than plain decoding."""
+    costs = CostModel()
+    c = CostController(4, 8, costs)
+    chosen = []
+    for step in range(60):
+        k = c.next_k()
+        chosen.append(k)
+        if k == 0:
+            c.observe(StepObservation(k=0, proposed=0, accepted=0, draft_ms=0, verify_ms=37, draft_catch_up=0))
+            continue
+        accepted = k if step % 4 else k - 1  # ~94 % per token
+        c.observe(StepObservation(k=k, proposed=k, accepted=accepted, draft_ms=rtt_ms + 2 + 10.5 * k,
+                                  verify_ms=37 + 4.5 * k, draft_catch_up=1))
+    assert costs.draft_ms(4) == pytest.approx(rtt_ms + 2 + 42, rel=0.1)
+    assert costs.draft_call.intercept() == pytest.approx(rtt_ms + 2, abs=1.5)
+    assert min(chosen[-20:]) >= 4
