@@ -9,8 +9,8 @@ Modes (``--modes`` takes names or shell patterns such as ``'sd-fixed-*'``):
                           or ``--hf-assistant`` (e.g. distilgpt2 for gpt2)
   hf-prompt-lookup    (b) HF prompt lookup decoding (``prompt_lookup_num_tokens=10``)
   sd-autoregressive   (c) specdec with no draft (``mode: autoregressive``) through the services
-  sd-fixed-k1 … k8    (d) specdec speculative, fixed draft length k
-  sd-acceptance, sd-hf, sd-cost   (d) specdec speculative with each adaptive controller
+  sd-fixed-k1 … k8    (d) specdec speculative, fixed draft length k, alternating (``overlap: false``)
+  sd-acceptance, sd-hf, sd-cost   (d) specdec speculative with each adaptive controller, alternating
   sd-overlap-fixed-k3 … k8, sd-overlap-cost   (d) overlapped: the draft drafts block i + 1 while the
                           target verifies block i (``overlap: true``)
   ngram-fixed-k4, ngram-cost      (e) a second draft service with the n-gram backend and its own orchestrator
@@ -60,15 +60,16 @@ def all_modes() -> list[Mode]:
     modes = [Mode("hf-plain", "hf", "plain"), Mode("hf-assisted", "hf", "assisted"),
              Mode("hf-prompt-lookup", "hf", "prompt_lookup"),
              Mode("sd-autoregressive", "specdec", body={"mode": "autoregressive"})]
-    modes += [Mode(f"sd-fixed-k{k}", "specdec", body={"controller": "fixed", "k": k, "max_k": MAX_FIXED_K})
+    # alternating (draft, then verify), whatever the server's default
+    modes += [Mode(f"sd-fixed-k{k}", "specdec", body={"controller": "fixed", "k": k, "max_k": MAX_FIXED_K, "overlap": False})
               for k in range(1, MAX_FIXED_K + 1)]
-    modes += [Mode(f"sd-{c}", "specdec", body={"controller": c}) for c in ("acceptance", "hf", "cost")]
+    modes += [Mode(f"sd-{c}", "specdec", body={"controller": c, "overlap": False}) for c in ("acceptance", "hf", "cost")]
     # overlapped: the next block is drafted while this one is verified
     modes += [Mode(f"sd-overlap-fixed-k{k}", "specdec", body={"controller": "fixed", "k": k, "max_k": MAX_FIXED_K,
                                                               "overlap": True}) for k in (3, 4, 6, 8)]
     modes += [Mode("sd-overlap-cost", "specdec", body={"controller": "cost", "overlap": True})]
-    modes += [Mode("ngram-fixed-k4", "specdec", stack="ngram", body={"controller": "fixed", "k": 4}),
-              Mode("ngram-cost", "specdec", stack="ngram", body={"controller": "cost"})]
+    modes += [Mode("ngram-fixed-k4", "specdec", stack="ngram", body={"controller": "fixed", "k": 4, "overlap": False}),
+              Mode("ngram-cost", "specdec", stack="ngram", body={"controller": "cost", "overlap": False})]
     return modes
 
 

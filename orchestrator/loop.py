@@ -276,6 +276,8 @@ async def generate(
         future = asyncio.ensure_future(coro)
         inflight.add(future)
         future.add_done_callback(inflight.discard)
+        # a dropped pre-draft may fail unobserved: its failure is not the request's
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
         return future
 
     async def call(coro: Any) -> Any:

@@ -169,6 +169,28 @@ async def test_auto_overlaps_only_a_request_alone(engine, reference):
         assert [t for s in steps for t in s.tokens] == reference[:N]
 
 
+async def test_a_failing_predraft_costs_drafts_not_the_request(engine, reference):
+    """The draft dies while pre-drafting: the request goes on without drafts (the draft's usual
+    fallback), with the same output."""
+    import grpc
+
+    class Dies(ScriptedDraft):
+        async def propose(self, session_id, tokens, k, threshold, sampling):
+            if len(self.calls) >= 1:
+                self.calls.append((len(tokens), k))
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "connection refused")
+            return await super().propose(session_id, tokens, k, threshold, sampling)
+
+    draft = Dies(reference, set())
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=True)
+    steps, stats = await run(engine, draft, params, make_controller("fixed", 3, 8))
+    assert [t for s in steps for t in s.tokens] == reference[:N]
+    assert draft.calls[:2] == [(len(PROMPT), 3), (len(PROMPT) + 3, 4)]  # the first block, then its pre-draft
+    assert "UNAVAILABLE" in steps[0].draft_error and stats.draft_fallbacks >= 1
+    assert steps[1].k == 0 and not steps[1].draft  # the draft is left alone for its retry interval
+
+
 async def test_alternating_makes_no_predraft(engine, reference):
     draft = ScriptedDraft(reference, {len(PROMPT) + 5})
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=False)
