@@ -53,12 +53,13 @@ class Service:
             raise RuntimeError(f"{self.name} exited:\n{self.tail()}")
 
 
-def wait_grpc(port: int, service: Service, timeout_s: float = 300) -> None:
+def wait_grpc(port: int, service: Service, timeout_s: float = 300, host: str = "127.0.0.1") -> None:
+    """Wait until ``service`` answers SERVING on ``host:port`` (raises when it exits or times out)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             service.check()
@@ -67,7 +68,7 @@ def wait_grpc(port: int, service: Service, timeout_s: float = 300) -> None:
                     return
             except grpc.RpcError:
                 time.sleep(0.3)
-    raise TimeoutError(f"{service.name} not serving on port {port} after {timeout_s:.0f} s:\n{service.tail()}")
+    raise TimeoutError(f"{service.name} not serving on {host}:{port} after {timeout_s:.0f} s:\n{service.tail()}")
 
 
 def wait_ready(url: str, service: Service, timeout_s: float = 300) -> None:

@@ -51,7 +51,7 @@ from typing import Any
 from evaluation import report
 from evaluation.bench import RESULTS_ROOT, machine_info, rotation
 from evaluation.faultproxy import FaultProxy
-from evaluation.procs import ROOT, Service, Stack, free_port
+from evaluation.procs import ROOT, Service, Stack, free_port, wait_grpc
 from evaluation.prompts import SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import first_mismatch, paired_speedup, spread, tokens_per_second
 
@@ -149,24 +149,6 @@ class PrefixedService(Service):
             [*prefix, sys.executable, "-m", module], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
             stdout=self.log.open("w"), stderr=subprocess.STDOUT,
         )
-
-
-def wait_grpc_at(host: str, port: int, service: Service, timeout_s: float = 300) -> None:
-    """:func:`evaluation.procs.wait_grpc` for a service on any address."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            service.check()
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.3)
-    raise TimeoutError(f"{service.name} not serving on {host}:{port} after {timeout_s:.0f} s:\n{service.tail()}")
 
 
 def draft_proxy(host: str, port: int) -> FaultProxy:
@@ -510,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         draft = PrefixedService("draft", netns.exec_prefix() if namespace else [], "draft_service", env, log_dir)
         stack.services.append(draft)
         logger.info("starting draft on %s:%d", host, draft_port)
-        wait_grpc_at(host, draft_port, draft)
+        wait_grpc(draft_port, draft, host=host)
         proxy = draft_proxy(host, draft_port).start()
         logger.info("delay proxy 127.0.0.1:%d -> %s:%d", proxy.port, host, draft_port)
         url = stack.orchestrator("orchestrator", f"127.0.0.1:{proxy.port}", target_port)
