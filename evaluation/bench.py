@@ -29,8 +29,6 @@ import logging
 import math
 import os
 import platform
-import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -43,7 +41,6 @@ from evaluation.stats import summarise
 
 logger = logging.getLogger("evaluation.bench")
 
-RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 MAX_FIXED_K = 8
 
 
@@ -214,15 +211,11 @@ def rerender(folder: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "transformers", "matplotlib"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.report_only:
+        logging.basicConfig(level=logging.INFO)
         rerender(args.report_only)
         return 0
-    out = args.out or RESULTS_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python -m evaluation.bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    out, command = report.start_run("evaluation.bench", argv, args.out, quiet=("httpx", "transformers", "matplotlib"))
 
     prompts = select(load_suite(), args.prompts, args.categories)
     modes = pick_modes(args.modes)

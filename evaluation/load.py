@@ -41,8 +41,6 @@ import json
 import logging
 import os
 import random
-import shlex
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -54,7 +52,7 @@ from typing import Any
 import httpx
 
 from evaluation import report
-from evaluation.bench import RESULTS_ROOT, machine_info, rotation
+from evaluation.bench import machine_info, rotation
 from evaluation.prompts import CATEGORIES, SUITE_PATH, SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import percentile
 
@@ -489,12 +487,7 @@ def _first_difference(a: Sequence[int], b: Sequence[int] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "matplotlib"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    out = args.out or RESULTS_ROOT / datetime.now().strftime("load-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python -m evaluation.load " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    out, command = report.start_run("evaluation.load", argv, args.out, "load-", quiet=("httpx", "matplotlib"))
     prompts = select(load_suite(args.prompts_file), args.prompts, args.categories)
     if not prompts:
         raise SystemExit("no prompts selected")
@@ -569,7 +562,7 @@ def _columns(loop: str) -> list[tuple[str, report.Cell]]:
         ("TTFT p50 / p99 (ms)", lambda r: _pair(r["summary"]["ttft_ms"])),
         ("e2e p50 / p99 (s)", lambda r: _pair({k: v / 1e3 if v is not None else None
                                                  for k, v in r["summary"]["e2e_ms"].items()}, 1)),
-        ("acceptance", lambda r: report.fmt(_pct(r["summary"]["acceptance_rate"]), 0, "%")),
+        ("acceptance", lambda r: report.fmt(report.pct(r["summary"]["acceptance_rate"]), 0, "%")),
         ("mean k", lambda r: report.fmt(r["summary"]["mean_k"], 2)),
         ("batch sessions / rows", lambda r: f"{report.fmt(r['summary']['batch_sessions'], 2)} / "
                                             f"{report.fmt(r['summary']['batch_rows'], 1)}"),
@@ -577,10 +570,6 @@ def _columns(loop: str) -> list[tuple[str, report.Cell]]:
         ("mismatches", lambda r: _mismatches(r["summary"])),
     ]
     return [c for c in cols if not (loop == "open" and c[0] == "vs N=1")]
-
-
-def _pct(x: float | None) -> float | None:
-    return None if x is None else 100 * x
 
 
 def render_tables(runs: Sequence[dict[str, Any]]) -> str:

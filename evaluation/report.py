@@ -1,16 +1,36 @@
-"""Markdown tables and PNG plots of a benchmark's results (matplotlib with the Agg backend)."""
+"""Markdown tables and PNG plots of a benchmark's results (matplotlib with the Agg backend), and
+the set-up every benchmark command shares (logging, results folder, command line)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import shlex
+import sys
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from evaluation.stats import SPLIT_PARTS, acceptance_by_category
 
 Cell = Callable[[dict[str, Any]], str]
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+
+
+def start_run(module: str, argv: list[str] | None, out: Path | None, prefix: str = "",
+              quiet: Sequence[str] = ("httpx",)) -> tuple[Path, str]:
+    """Configure logging (``quiet`` loggers at WARNING), create the results folder (``out``, or
+    ``RESULTS_ROOT/<prefix><timestamp>``) and return it with the command line as typed."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in quiet:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    out = out or RESULTS_ROOT / datetime.now().strftime(f"{prefix}%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    args = sys.argv[1:] if argv is None else argv
+    return out, f"python -m {module} " + " ".join(shlex.quote(a) for a in args)
 
 
 def fmt(value: Any, digits: int = 1, suffix: str = "") -> str:
@@ -56,12 +76,12 @@ SPEED_COLUMNS: list[tuple[str, Cell]] = [
     ("tok/s median (p10–p90)", _speed),
     ("ms/token", lambda s: fmt(s["ms_per_token"]["median"])),
     ("mean k", lambda s: fmt(s.get("mean_k"), 2)),
-    ("acceptance", lambda s: fmt(_pct(_get(s, "split", "acceptance_rate")), 0, "%")),
+    ("acceptance", lambda s: fmt(pct(_get(s, "split", "acceptance_rate")), 0, "%")),
     ("accepted/iter", lambda s: fmt(_get(s, "split", "accepted_per_iteration"), 2)),
     ("tokens/iter", lambda s: fmt(_get(s, "split", "tokens_per_iteration"), 2)),
     ("vs specdec AR", _ratio("vs_autoregressive")),
     ("ideal", lambda s: fmt(s.get("ideal_speedup"), 2, "×")),
-    ("of ideal", lambda s: fmt(_pct(s.get("fraction_of_ideal")), 0, "%")),
+    ("of ideal", lambda s: fmt(pct(s.get("fraction_of_ideal")), 0, "%")),
     ("vs HF plain", _ratio("vs_plain")),
     ("vs best HF assisted", _ratio("vs_assisted")),
     ("identical to HF plain", lambda s: f"{s['identical']}/{s['compared']}" if s["compared"] else "–"),
@@ -76,13 +96,14 @@ SPLIT_COLUMNS: list[tuple[str, Cell]] = [
     ("verify compute", lambda s: fmt(_get(s, "split", "verify_compute_ms_per_iteration"))),
     ("verify RPC", lambda s: fmt(_get(s, "split", "verify_rpc_ms_per_iteration"))),
     ("loop", lambda s: fmt(_get(s, "split", "loop_ms_per_iteration"))),
-    ("compute share of loop time", lambda s: fmt(_pct(s.get("compute_share")), 0, "%")),
+    ("compute share of loop time", lambda s: fmt(pct(s.get("compute_share")), 0, "%")),
     ("HTTP per request", lambda s: fmt(s.get("http_ms_per_request"))),
     ("draft fallbacks", lambda s: fmt(_get(s, "split", "draft_fallbacks"))),
 ]
 
 
-def _pct(x: float | None) -> float | None:
+def pct(x: float | None) -> float | None:
+    """A share as a percentage (None stays None, NaN becomes None)."""
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else 100 * x
 
 

@@ -49,11 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report
-from evaluation.bench import RESULTS_ROOT, machine_info, rotation
+from evaluation.bench import machine_info, rotation
 from evaluation.faultproxy import FaultProxy
 from evaluation.procs import ROOT, Service, Stack, free_port, wait_grpc
 from evaluation.prompts import SUITE_VERSION, Prompt, load_suite, select, suite_digest
-from evaluation.stats import first_mismatch, paired_speedup, spread, tokens_per_second
+from evaluation.stats import first_mismatch, mean, paired_speedup, spread, tokens_per_second
 
 # Not __name__: run as ``python -m evaluation.rtt`` that would be "__main__".
 logger = logging.getLogger("evaluation.rtt")
@@ -277,10 +277,6 @@ def _median(values: Sequence[float]) -> float | None:
     return spread(values)["median"] if values else None
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 def summarise(rows: Sequence[dict[str, Any]], rtts: Sequence[dict[str, Any]], modes: Sequence[str]) -> list[dict[str, Any]]:
     """One entry per (RTT, mode) with runs, in RTT order then ``modes`` order. ``rtts``: the
     :func:`measure_rtt` results (``nominal_ms``, ``added_ms``)."""
@@ -312,9 +308,9 @@ def summarise(rows: Sequence[dict[str, Any]], rtts: Sequence[dict[str, Any]], mo
                 "acceptance_rate": sum(r.get("accepted_tokens", 0) for r in rs) / drafted if drafted else None,
                 "predrafted_share": sum(r["predrafted_iterations"] for r in rs) / iterations if iterations else None,
                 "tokens_per_iteration": sum(r["tokens"] for r in rs) / iterations if iterations else None,
-                "draft_ms_per_iteration": _mean([r["draft_ms_per_iteration"] for r in rs]),
-                "verify_ms_per_iteration": _mean([r["verify_ms_per_iteration"] for r in rs]),
-                "overhead_ms_per_iteration": _mean([r["overhead_ms_per_iteration"] for r in rs]),
+                "draft_ms_per_iteration": mean([r["draft_ms_per_iteration"] for r in rs]),
+                "verify_ms_per_iteration": mean([r["verify_ms_per_iteration"] for r in rs]),
+                "overhead_ms_per_iteration": mean([r["overhead_ms_per_iteration"] for r in rs]),
                 "draft_fallbacks": sum(r.get("draft_fallbacks", 0) for r in rs),
                 "compared": sum(r.get("identical") is not None for r in rs),
                 "mismatches": sum(r.get("identical") is False for r in rs),
@@ -331,10 +327,6 @@ def _vs(s: dict[str, Any], key: str) -> str:
     return report.fmt((s.get("vs_autoregressive") or {}).get(key), 2, "×")
 
 
-def _pct(x: float | None) -> float | None:
-    return None if x is None else 100 * x
-
-
 COLUMNS: list[tuple[str, report.Cell]] = [
     ("RTT (ms)", lambda s: f"{s['rtt_ms']:g}"),
     ("measured (ms)", lambda s: report.fmt(s["measured_rtt_ms"], 1)),
@@ -343,8 +335,8 @@ COLUMNS: list[tuple[str, report.Cell]] = [
     ("vs AR (ratio of medians)", lambda s: _vs(s, "ratio_of_medians")),
     ("vs AR (median of ratios)", lambda s: _vs(s, "median_of_ratios")),
     ("mean k", lambda s: report.fmt(s["mean_k"], 2)),
-    ("acceptance", lambda s: report.fmt(_pct(s["acceptance_rate"]), 0, "%")),
-    ("predrafted", lambda s: report.fmt(_pct(s["predrafted_share"]), 0, "%") if s["mode"] != BASELINE else "–"),
+    ("acceptance", lambda s: report.fmt(report.pct(s["acceptance_rate"]), 0, "%")),
+    ("predrafted", lambda s: report.fmt(report.pct(s["predrafted_share"]), 0, "%") if s["mode"] != BASELINE else "–"),
     ("draft / verify ms per iter", lambda s: f"{report.fmt(s['draft_ms_per_iteration'])} / "
                                              f"{report.fmt(s['verify_ms_per_iteration'])}"),
     ("mismatches", _mismatch_cell),
@@ -447,11 +439,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    out = args.out or RESULTS_ROOT / datetime.now().strftime("rtt-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python -m evaluation.rtt " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    out, command = report.start_run("evaluation.rtt", argv, args.out, "rtt-")
     prompts = select(load_suite(), args.prompts, None)
     started = datetime.now().isoformat(timespec="seconds")
     t_start = time.perf_counter()

@@ -24,9 +24,7 @@ import json
 import logging
 import os
 import re
-import shlex
 import signal
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +34,7 @@ import grpc
 import httpx
 
 from evaluation import report
-from evaluation.bench import RESULTS_ROOT, machine_info
+from evaluation.bench import machine_info
 from evaluation.load import LoadClient, summarise_run
 from evaluation.procs import Stack
 from evaluation.prompts import load_suite, select
@@ -172,11 +170,7 @@ def render(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    out = args.out or RESULTS_ROOT / datetime.now().strftime("scaleout-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python -m evaluation.scaleout " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    out, command = report.start_run("evaluation.scaleout", argv, args.out, "scaleout-")
     prompts = select(load_suite(), args.prompts, None)
     started = datetime.now().isoformat(timespec="seconds")
     configs = []

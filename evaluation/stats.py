@@ -130,8 +130,8 @@ def summarise(runs: list[dict[str, Any]], modes: Sequence[str], plain: str = "hf
         if all(r.get("stats") for r in rs):
             split = time_split(r["stats"] for r in rs)
             s["split"] = split
-            s["mean_k"] = _mean([r["mean_k"] for r in rs if r.get("mean_k") is not None])
-            s["http_ms_per_request"] = _mean([r["wall_ms"] - r["elapsed_ms"] for r in rs if r.get("wall_ms")])
+            s["mean_k"] = mean([r["mean_k"] for r in rs if r.get("mean_k") is not None])
+            s["http_ms_per_request"] = mean([r["wall_ms"] - r["elapsed_ms"] for r in rs if r.get("wall_ms")])
             elapsed = sum(r["stats"]["elapsed_ms"] for r in rs)
             # compute on the critical path (a pre-draft's hidden compute is not), of the loop's wall time
             compute = split["iterations"] * (split["draft_compute_ms_per_iteration"] + split["verify_compute_ms_per_iteration"])
@@ -164,5 +164,6 @@ def acceptance_by_category(runs: list[dict[str, Any]], mode: str) -> dict[str, f
     return {c: a / p for c, (a, p) in totals.items() if p}
 
 
-def _mean(values: Sequence[float]) -> float | None:
+def mean(values: Sequence[float]) -> float | None:
+    """Arithmetic mean; None for no values."""
     return sum(values) / len(values) if values else None
