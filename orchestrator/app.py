@@ -449,7 +449,8 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, 
     token_ids: list[int] = []
     try:
         async for item in generate(run.params, rt.draft, rt.target, controller, rt.limits, rt.draft_health,
-                                   lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True), disconnected):
+                                   lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True), disconnected,
+                                   in_progress=lambda: rt.active):
             if isinstance(item, StepEvent):
                 token_ids.extend(item.tokens)
                 yield "step", item.to_dict()

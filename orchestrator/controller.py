@@ -130,29 +130,29 @@ class LinearFit:
         self.sy = d * self.sy + y
         self.sxy = d * self.sxy + x * y
 
+    def _fit(self) -> tuple[float, float, float | None]:
+        """(mean x, mean y, slope >= 0, or None while only one x has been seen); needs a point."""
+        mean_x, mean_y = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mean_x * mean_x
+        slope = max((self.sxy / self.w - mean_x * mean_y) / var, 0.0) if var >= 1e-6 else None
+        return mean_x, mean_y, slope
+
     def predict(self, x: float, default_slope_ratio: float) -> float | None:
         """None before any point; with a single x seen, the slope is ``default_slope_ratio`` of
         the mean per unit of x plus one."""
         if self.w == 0:
             return None
-        mean_x, mean_y = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mean_x * mean_x
-        if var < 1e-6:
+        mean_x, mean_y, slope = self._fit()
+        if slope is None:
             slope = default_slope_ratio * mean_y / (1 + default_slope_ratio * mean_x)
-        else:
-            slope = max((self.sxy / self.w - mean_x * mean_y) / var, 0.0)
         return max(mean_y + slope * (x - mean_x), 0.1)
 
     def intercept(self) -> float:
         """y at x = 0 (at least 0); 0 until two different x have been seen."""
         if self.w == 0:
             return 0.0
-        mean_x, mean_y = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mean_x * mean_x
-        if var < 1e-6:
-            return 0.0
-        slope = max((self.sxy / self.w - mean_x * mean_y) / var, 0.0)
-        return max(mean_y - slope * mean_x, 0.0)
+        mean_x, mean_y, slope = self._fit()
+        return 0.0 if slope is None else max(mean_y - slope * mean_x, 0.0)
 
 
 class CostModel:
@@ -311,7 +311,7 @@ class CostController(Controller):
     Costs are properties of the deployment, not of the text, so the orchestrator passes one
     process-wide :class:`CostModel` to every request's controller; acceptance stays per request.
 
-    Overlapped (``overlap=True``, see orchestrator.loop): the draft of block i + 1 (k + 1 tokens,
+    Overlapped (``overlap`` set by the loop for the step, see orchestrator.loop): the draft of block i + 1 (k + 1 tokens,
     the first a guess of the bonus token) runs while block i is verified. With probability
     c = alpha^(k+1) the target takes the whole block and the guess, and the step costs
     max(verify(k), draft(k + 1)); otherwise the pre-draft is dropped and the step costs its verify
@@ -323,10 +323,9 @@ class CostController(Controller):
     name = "cost"
 
     def __init__(self, k: int, max_k: int, costs: CostModel | None = None, decay: float = 0.8,
-                 probe_every: int = 8, overlap: bool = False) -> None:
+                 probe_every: int = 8) -> None:
         super().__init__(k, max_k)
         self.costs = costs or CostModel()
-        self.overlap = overlap
         self.decay = decay
         self.probe_every = probe_every
         # pseudo-counts of accepted tokens and rejections: prior alpha = 0.8
@@ -369,7 +368,9 @@ class CostController(Controller):
         if step.warm:
             self.costs.observe_verify(step.proposed, step.verify_ms, step.verify_rows, step.verify_sessions,
                                       step.verify_cpu_ms)
-            if step.proposed:
+            # A pre-draft's wall time ran next to the previous Verify and drafted one token more
+            # (the bonus guess): it says nothing clean about what a Propose costs on its own.
+            if step.proposed and not step.predrafted:
                 self.costs.observe_draft(step.proposed, step.draft_ms, step.draft_catch_up, step.draft_sessions,
                                          step.draft_step_cpu_ms)
         if step.proposed:

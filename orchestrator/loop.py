@@ -72,9 +72,6 @@ class BadRequest(Exception):
     """The target rejected the request's input (INVALID_ARGUMENT): HTTP 400 with this reason."""
 
 
-# Generations in progress in this process (the event loop's thread only: no lock).
-_in_progress = 0
-
 # Release calls still running after their request ended; the event loop keeps only weak
 # references to tasks, so an unreferenced one could be collected before it runs.
 _BACKGROUND: set[asyncio.Task] = set()
@@ -90,8 +87,9 @@ class GenerationParams:
     confidence_threshold: float = 0.0
     ignore_eos: bool = False
     # Pre-draft the next block while this one is verified (greedy only): True always, False never,
-    # None while this is the only generation in progress here (under concurrency the batched passes
-    # already fill the cores, and a Verify yielding cores to a pre-draft would slow everyone's).
+    # None while this is the only generation in progress (``in_progress`` of generate: under
+    # concurrency the batched passes already fill the cores, and a Verify yielding cores to one
+    # stream's pre-draft would slow everyone's).
     overlap: bool | None = False
 
 
@@ -249,8 +247,11 @@ async def generate(
     draft_health: DraftHealth,
     decode: Callable[[list[int]], str],
     is_disconnected: Callable[[], Any] | None = None,
+    in_progress: Callable[[], int] = lambda: 1,
 ) -> AsyncIterator[StepEvent | tuple[str, str, GenerationStats]]:
     """Run the loop; yield a StepEvent per iteration, then (finish_reason, text, stats).
+
+    ``in_progress``: generations the server is running now, this one included (overlap ``None``).
 
     finish_reason: "stop" (EOS or stop string), "length" (max_tokens or context), "cancelled".
     Raises TargetUnavailable or BadRequest when the target fails.
@@ -301,8 +302,6 @@ async def generate(
             stats.predrafts_dropped += 1
             predraft = None
 
-    global _in_progress
-    _in_progress += 1
     ACTIVE.inc()
     try:
         while True:
@@ -315,7 +314,7 @@ async def generate(
             if remaining <= 0:
                 finish = "length"
                 break
-            overlap = can_overlap and (params.overlap is True or _in_progress == 1)
+            overlap = can_overlap and (params.overlap is True or in_progress() <= 1)
             controller.overlap = overlap  # the cost controller prices k for the schedule it gets
             # 1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left.
             k = 0
@@ -327,7 +326,7 @@ async def generate(
             proposal, draft_error, draft_ms = None, "", 0.0
             predrafted = ready is not None and k > 0
             if predrafted:
-                proposal = _first(ready, k)
+                proposal = _tokens(ready, 0, k)
                 stats.predrafted += 1
             elif k > 0:
                 t_draft = time.perf_counter()
@@ -335,12 +334,13 @@ async def generate(
                 try:
                     proposal = await call(draft.propose(session_id, seq, k, params.confidence_threshold,
                                                         params.sampling))
+                    draft_ms = proposal.wall_ms
                     draft_health.succeeded()
                 except grpc.aio.AioRpcError as exc:
                     # a failed call still cost its wait (up to the deadline): count it as draft time
                     draft_ms = (time.perf_counter() - t_draft) * 1e3
                     draft_error = draft_failed(exc)
-            draft_wait_ms = 0.0 if predrafted else (proposal.wall_ms if proposal else draft_ms)
+            draft_wait_ms = 0.0 if predrafted else draft_ms  # a pre-draft's wait is counted in the step that made it
             if ready is not None and not predrafted:
                 stats.predrafts_dropped += 1  # the controller chose a plain step
             ready = None
@@ -401,7 +401,7 @@ async def generate(
                         pre = await asyncio.shield(predraft)
                         draft_health.succeeded()
                         if pre.tokens[:1] == [v.next_token] and len(pre.tokens) > 1:
-                            ready = _after_first(pre)
+                            ready = _tokens(pre, 1, len(pre.tokens))
                         else:
                             stats.predrafts_dropped += 1
                     except grpc.aio.AioRpcError as exc:
@@ -412,8 +412,6 @@ async def generate(
                 else:
                     drop_predraft()
             # 5. Adapt k and account.
-            if proposal is not None:
-                draft_ms = proposal.wall_ms
             step_ms = (time.perf_counter() - t_step) * 1e3
             controller.observe(StepObservation(
                 k=k, proposed=len(tokens), accepted=v.num_accepted, draft_ms=draft_ms, verify_ms=v.wall_ms,
@@ -465,7 +463,6 @@ async def generate(
         text = _cut_at_stop(detok.text, params.stop) if detok.stopped else detok.text
         yield finish, text, stats
     finally:
-        _in_progress -= 1
         ACTIVE.dec()
         drop_predraft()
         # Free both caches now, even when cancelled; never let cleanup fail the request.
@@ -475,20 +472,15 @@ async def generate(
         task.add_done_callback(_BACKGROUND.discard)
 
 
-def _first(p: Proposed, k: int) -> Proposed:
-    """The first k tokens of a proposal (a pre-draft may hold more than the next step's k)."""
-    if len(p.tokens) <= k:
+def _tokens(p: Proposed, start: int, end: int) -> Proposed:
+    """Tokens [start, end) of a pre-draft: without its first (the bonus guess the target confirmed),
+    or the first k of the next step. Compute is shared out by tokens; wall_ms stays the call's."""
+    if (start, end) == (0, len(p.tokens)):
         return p
-    share = k / len(p.tokens)
-    return dataclasses.replace(p, tokens=p.tokens[:k], confidences=p.confidences[:k], distributions=p.distributions[:k],
-                               stop_reason="max_tokens", wall_ms=p.wall_ms * share, compute_ms=p.compute_ms * share)
-
-
-def _after_first(p: Proposed) -> Proposed:
-    """A pre-draft without its first token (the guess of the bonus token the target confirmed)."""
-    share = (len(p.tokens) - 1) / len(p.tokens)
-    return dataclasses.replace(p, tokens=p.tokens[1:], confidences=p.confidences[1:], distributions=p.distributions[1:],
-                               wall_ms=p.wall_ms * share, compute_ms=p.compute_ms * share)
+    n = len(p.tokens[start:end])
+    return dataclasses.replace(p, tokens=p.tokens[start:end], confidences=p.confidences[start:end],
+                               distributions=p.distributions[start:end], compute_ms=p.compute_ms * n / len(p.tokens),
+                               stop_reason=p.stop_reason if end >= len(p.tokens) else "max_tokens")
 
 
 # A target whose queue is full answers RESOURCE_EXHAUSTED at once; a stream already under way waits

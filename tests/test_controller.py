@@ -243,3 +243,16 @@ def test_a_far_draft_costs_a_round_trip_per_call_not_per_token(rtt_ms):
     assert costs.draft_ms(4) == pytest.approx(rtt_ms + 2 + 42, rel=0.1)
     assert costs.draft_call.intercept() == pytest.approx(rtt_ms + 2, abs=1.5)
     assert min(chosen[-20:]) >= 4
+
+
+def test_a_predrafted_step_does_not_feed_the_draft_cost():
+    """A pre-draft ran next to the previous Verify and drafted one token more than it gave: its wall
+    time is not what a Propose costs, so only fresh drafts train the draft fit (verify still counts)."""
+    costs = CostModel()
+    c = CostController(4, 8, costs)
+    for k in (2, 4, 2, 4):
+        c.observe(StepObservation(k=k, proposed=k, accepted=k, draft_ms=2 + 10 * k, verify_ms=40, draft_catch_up=1))
+    before = costs.draft_ms(4)
+    c.observe(StepObservation(k=4, proposed=4, accepted=4, draft_ms=500, verify_ms=40, draft_catch_up=0, predrafted=True))
+    assert costs.draft_ms(4) == before == pytest.approx(42, rel=0.05)
+    assert costs.verify.w > 4  # the Verify of that step was observed

@@ -87,10 +87,11 @@ class SlowTarget(_EngineTarget):
         return await super().verify(*args, **kwargs)
 
 
-async def run(engine, draft, params, controller, shared_host=True, target=None):
+async def run(engine, draft, params, controller, shared_host=True, target=None, in_progress=1):
     limits = ModelLimits(engine.lm.max_context, 8, 1000, 8, set(), draft_shares_host=shared_host)
     target = target or SlowTarget(engine)
-    events = [e async for e in generate(params, draft, target, controller, limits, DraftHealth(1.0), lambda ids: "")]
+    events = [e async for e in generate(params, draft, target, controller, limits, DraftHealth(1.0), lambda ids: "",
+                                        in_progress=lambda: in_progress)]
     steps = [e for e in events if isinstance(e, StepEvent)]
     return steps, events[-1][2]
 
@@ -138,35 +139,14 @@ async def test_a_verify_next_to_a_predraft_on_the_same_host_yields_cores(engine,
     assert target.yield_cores[0] == shared_host  # the first block's Verify already has the second's pre-draft
 
 
-def test_the_target_runs_a_yielding_pass_on_its_overlap_threads(tiny_models):
-    import torch
-
-    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(8, 1 << 30, 0), max_draft_tokens=8,
-                          overlap_threads=1)
-    seen = []
-    forward = engine.lm.forward_batch
-    engine.lm.forward_batch = lambda requests: (seen.append(torch.get_num_threads()), forward(requests))[1]
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        plain = engine.verify("a", PROMPT, [1, 2], sm.Sampling())
-        yielding = engine.verify("a", PROMPT, [1, 2], sm.Sampling(), yield_cores=True)
-        assert seen == [2, 1] and torch.get_num_threads() == 2
-        assert (plain.num_accepted, plain.next_token) == (yielding.num_accepted, yielding.next_token)
-    finally:
-        torch.set_num_threads(before)
-
-
-async def test_auto_overlaps_only_a_request_alone(engine, reference):
-    params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=None)
-    _, alone = await run(engine, ScriptedDraft(reference, set()), params, make_controller("fixed", 3, 8))
-    assert alone.predrafted > 0
-    together = await asyncio.gather(*(run(engine, ScriptedDraft(reference, set()), params, make_controller("fixed", 3, 8))
-                                      for _ in range(2)))
-    # both streams start together; the one that ends first leaves the other alone for its last steps
-    assert min(stats.predrafted for _, stats in together) == 0
-    for steps, _ in together:
-        assert [t for s in steps for t in s.tokens] == reference[:N]
+@pytest.mark.parametrize("overlap, in_progress, overlapped", [
+    (None, 1, True), (None, 2, False), (True, 2, True), (False, 1, False)])
+async def test_auto_overlaps_only_a_request_alone(engine, reference, overlap, in_progress, overlapped):
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=overlap)
+    steps, stats = await run(engine, ScriptedDraft(reference, set()), params, make_controller("cost", 3, 8),
+                             in_progress=in_progress)
+    assert (stats.predrafted > 0) == overlapped
+    assert [t for s in steps for t in s.tokens] == reference[:N]
 
 
 async def test_a_failing_predraft_costs_drafts_not_the_request(engine, reference):
@@ -246,7 +226,8 @@ def test_overlapped_cost_model_prefers_longer_drafts_when_the_draft_is_far():
     overlapped one hides it behind the verify, so its best k and its expected rate are higher."""
     verify = {0: 30.0, 1: 33.0, 2: 36.0, 4: 42.0, 8: 54.0}
     costs = _costs(verify, draft_ms_per_token=12.0)
-    alternating, overlapped = CostController(4, 8, costs), CostController(4, 8, costs, overlap=True)
+    alternating, overlapped = CostController(4, 8, costs), CostController(4, 8, costs)
+    overlapped.overlap = True
     for c in (alternating, overlapped):
         _steps(c, 30)
         c.next_k()
@@ -256,7 +237,8 @@ def test_overlapped_cost_model_prefers_longer_drafts_when_the_draft_is_far():
     # k = 0 is plain decoding either way
     assert alternating.last_choice[0] == pytest.approx(overlapped.last_choice[0])
     # with every draft rejected, overlap buys nothing: the expected step is verify + draft
-    stuck = CostController(4, 8, costs, overlap=True)
+    stuck = CostController(4, 8, costs)
+    stuck.overlap = True
     for _ in range(30):
         stuck.observe(StepObservation(k=4, proposed=4, accepted=0, draft_ms=0, verify_ms=0, warm=False))
     assert stuck.round_ms(4) == pytest.approx(costs.verify_ms(4) + costs.draft_ms(4), rel=0.02)

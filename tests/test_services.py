@@ -225,3 +225,27 @@ def test_grpcurl_lists_describes_and_calls(draft_addr, target_addr):
     assert int(verified["compute_ns"]) > 0 and verified.get("num_accepted", 0) <= 3
     health = json.loads(run(target_addr[0], "grpc.health.v1.Health/Check"))
     assert health["status"] == "SERVING"
+
+
+def test_verify_with_yield_cores_runs_on_the_overlap_threads(tiny_models):
+    """VerifyRequest.yield_cores reaches the engine: that pass runs on overlap_threads, the next on all."""
+    import torch
+
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(4, 1 << 30, 0), max_draft_tokens=8,
+                          overlap_threads=1)
+    seen: list[int] = []
+    forward = engine.lm.forward_batch
+    engine.lm.forward_batch = lambda requests: (seen.append(torch.get_num_threads()), forward(requests))[1]
+    server, port, _ = build_target(engine, "127.0.0.1:0")
+    server.start()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TargetServiceStub(channel)
+            a = stub.Verify(pb.VerifyRequest(session_id="y", tokens=[7, 3, 12], draft_tokens=[5, 9], yield_cores=True))
+            b = stub.Verify(pb.VerifyRequest(session_id="y", tokens=[7, 3, 12], draft_tokens=[5, 9]))
+        assert seen == [1, 2] and (a.num_accepted, a.next_token) == (b.num_accepted, b.next_token)
+    finally:
+        torch.set_num_threads(before)
+        server.stop(0)
