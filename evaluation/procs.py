@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -22,13 +23,14 @@ def free_port() -> int:
 
 
 class Service:
-    """One service process with its output in ``<log_dir>/<name>.log``."""
+    """One service process with its output in ``<log_dir>/<name>.log``, optionally under a command
+    prefix that execs it (``ip netns exec <ns>``: the pid stays the service's)."""
 
-    def __init__(self, name: str, module: str, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, module: str, env: dict[str, str], log_dir: Path, prefix: Sequence[str] = ()) -> None:
         self.name = name
         self.log = log_dir / f"{name}.log"
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", module], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            [*prefix, sys.executable, "-m", module], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
             stdout=self.log.open("w"), stderr=subprocess.STDOUT,
         )
 

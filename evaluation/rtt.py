@@ -40,7 +40,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -51,7 +50,7 @@ from typing import Any
 from evaluation import report
 from evaluation.bench import machine_info, rotation
 from evaluation.faultproxy import FaultProxy
-from evaluation.procs import ROOT, Service, Stack, free_port, wait_grpc
+from evaluation.procs import Service, Stack, free_port, wait_grpc
 from evaluation.prompts import SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import first_mismatch, mean, paired_speedup, spread, tokens_per_second
 
@@ -136,19 +135,6 @@ class Namespace:
 def namespace_exists(name: str) -> bool:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     return any(line.split()[0] == name for line in out.splitlines() if line.strip())
-
-
-class PrefixedService(Service):
-    """A service run under a command prefix (``ip netns exec <ns>``), with the interface of
-    :class:`evaluation.procs.Service` (``ip netns exec`` execs the command: the pid is the service's)."""
-
-    def __init__(self, name: str, prefix: list[str], module: str, env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        self.popen = subprocess.Popen(
-            [*prefix, sys.executable, "-m", module], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-        )
 
 
 def draft_proxy(host: str, port: int) -> FaultProxy:
@@ -477,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_port = free_port()
         env = {"SPECDEC_DRAFT_HOST": host, "SPECDEC_DRAFT_PORT": str(draft_port),
                "SPECDEC_DRAFT_METRICS_PORT": str(free_port()), **draft_env}
-        draft = PrefixedService("draft", netns.exec_prefix() if namespace else [], "draft_service", env, log_dir)
+        draft = Service("draft", "draft_service", env, log_dir, prefix=netns.exec_prefix() if namespace else ())
         stack.services.append(draft)
         logger.info("starting draft on %s:%d", host, draft_port)
         wait_grpc(draft_port, draft, host=host)
