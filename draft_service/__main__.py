@@ -28,7 +28,7 @@ def main() -> None:
 
     security = server_security(settings)  # before the slow model load: a bad secret path fails at once
     t0 = time.perf_counter()
-    compute = ComputeThread(settings.max_queued_calls, "draft")  # this (main) thread loads the model and runs every forward pass
+    compute = ComputeThread(settings.max_queued_calls, "draft", settings.batch_gather_ms)  # this (main) thread loads the model and runs every forward pass
     proposer = create_proposer(settings)
     server, port, health = build_server(proposer, settings.address, settings.workers, compute, **security)
     start_metrics(settings.metrics_port)

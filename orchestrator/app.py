@@ -222,6 +222,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
                               grpc_security(settings), settings.replica_resolve_interval_s,
                               settings.replica_probe_interval_s),
             draft_health=DraftHealth(settings.draft_retry_s),
+            costs=CostModel(shared_host_max_streams=settings.shared_host_max_streams),
         )
         app.state.rt = rt
         await connect(rt)

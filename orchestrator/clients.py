@@ -108,6 +108,10 @@ class _Client:
 class DraftClient(_Client):
     service = "draft"
 
+    # Propose calls this process has in flight, to any draft: while one runs on the target's host,
+    # a Verify asks the target to leave it a core (VerifyRequest.yield_cores).
+    in_flight = 0
+
     def __init__(self, address: str, timeout_s: float, security: ChannelSecurity | None = None) -> None:
         super().__init__(address, timeout_s, security)
         self.stub = pb_grpc.DraftServiceStub(self.channel)
@@ -119,7 +123,11 @@ class DraftClient(_Client):
             sampling=sampling_to_pb(sampling), return_distributions=not sampling.greedy,
         )
         t0 = time.perf_counter()
-        r = await self.stub.Propose(request, timeout=self.timeout_s)
+        DraftClient.in_flight += 1
+        try:
+            r = await self.stub.Propose(request, timeout=self.timeout_s)
+        finally:
+            DraftClient.in_flight -= 1
         wall = time.perf_counter() - t0
         RPC_CLIENT_LATENCY.labels(self.service, "Propose").observe(wall)
         return Proposed(

@@ -44,6 +44,7 @@ class StepObservation:
 class Controller(abc.ABC):
     name: str = ""
     overlap: bool = False  # set by the loop before each step: the step runs overlapped (see CostController)
+    probing: bool = False  # the last next_k() asked for a draft only to re-measure acceptance, not because it pays
 
     def __init__(self, k: int, max_k: int) -> None:
         self.max_k = max_k
@@ -188,7 +189,8 @@ class CostModel:
 
     MAX_CATCH_UP = 3  # tokens a draft processes besides its own in steady state: 1-2
 
-    def __init__(self, decay: float = 0.9, share_decay: float = 0.8) -> None:
+    def __init__(self, decay: float = 0.9, share_decay: float = 0.8, shared_host_max_streams: int = 0) -> None:
+        self.shared_host_max_streams = shared_host_max_streams
         self.verify = LinearFit(decay)  # wall ms of Verify by token rows of its forward pass
         self.draft_step = LinearFit(decay)  # wall ms per draft step (the call's fixed cost aside) by sessions per step
         self.draft_call = LinearFit(decay)  # wall ms of a Propose by tokens proposed: intercept = fixed cost per call
@@ -210,6 +212,14 @@ class CostModel:
                   own: tuple[str, float] | None) -> None:
         """(host id, cores) of the target service, the draft service and this process."""
         self.hosts = {"target": target, "draft": draft, "self": own}
+
+    def speculation_allowed(self) -> bool:
+        """False while the draft shares the target's host and more than ``shared_host_max_streams``
+        generations are in progress: there the draft's compute is the target's, and batched plain
+        decoding (nearly free extra rows) beats speculation (see docs/batching.md for the measurement)."""
+        target, draft = self.hosts.get("target"), self.hosts.get("draft")
+        shared = target is not None and draft is not None and target[0] == draft[0]
+        return not (shared and self.shared_host_max_streams and self.streams > self.shared_host_max_streams)
 
     def observe_verify(self, k: int, ms: float, rows: int = 0, sessions: int = 1, cpu_ms: float = 0.0) -> None:
         """A Verify of k draft tokens took ``ms``; its forward had ``rows`` rows across ``sessions``
@@ -338,6 +348,9 @@ class CostController(Controller):
         return self.successes / (self.successes + self.failures)
 
     def next_k(self) -> int:
+        if not self.costs.speculation_allowed():
+            self.k, self.probing = 0, False
+            return 0
         if self.costs.verify_ms(0) is None or self.costs.draft_ms(1) is None:
             return max(self.k, 1)  # explore: we need both costs before comparing
         rates = {}
@@ -345,10 +358,11 @@ class CostController(Controller):
             rates[k] = expected_tokens(self.alpha, k) / self.round_ms(k)
         self.last_choice = rates
         best = max(rates, key=rates.get)
+        self.probing = False
         if best == 0:
             self._plain_steps += 1
             if self._plain_steps % self.probe_every == 0:
-                best = 1
+                best, self.probing = 1, True
         else:
             self._plain_steps = 0
         self.k = best

@@ -58,6 +58,10 @@ PREFIX_TOKENS = Counter(
 )
 
 Mode = Literal["speculative", "autoregressive"]
+# A draft whose cache lacks more than this many tokens of the sequence catches up in the background
+# (the first step's prompt, or the tokens of plain steps) instead of holding up the step: more than a
+# steady-state Propose ever misses (the target's own token; all of a draft after a pre-draft).
+CATCH_UP_IN_BACKGROUND = 16
 
 
 class TargetUnavailable(Exception):
@@ -140,6 +144,7 @@ class GenerationStats:
     draft_fallbacks: int = 0
     predrafted: int = 0  # steps whose draft came from a pre-draft (overlapped mode)
     predrafts_dropped: int = 0  # pre-drafts cancelled or unusable (rejection, or a different bonus token)
+    draft_catch_ups: int = 0  # background Proposes that brought the draft's cache up to date (steps ran plainly meanwhile)
 
     def to_dict(self) -> dict[str, Any]:
         it = max(self.iterations, 1)
@@ -168,6 +173,7 @@ class GenerationStats:
             "draft_fallbacks": self.draft_fallbacks,
             "predrafted_iterations": self.predrafted,
             "predrafts_dropped": self.predrafts_dropped,
+            "draft_catch_ups": self.draft_catch_ups,
         }
 
 
@@ -271,6 +277,8 @@ async def generate(
     # below must reach each service after its call, or the call would re-create the session.
     inflight: set[asyncio.Future] = set()
     predraft: asyncio.Future | None = None  # overlapped: Propose of the next block, sent with this Verify
+    catching_up: asyncio.Future | None = None  # a Propose that brings the draft's cache up to date, off the critical path
+    draft_seen = 0  # leading tokens of seq the draft's cache holds (as far as this loop knows)
     ready: Proposed | None = None  # overlapped: the next block's draft, from that pre-draft
 
     def track(coro: Any) -> asyncio.Future:
@@ -320,6 +328,33 @@ async def generate(
             k = 0
             if draft_ok_for_request and draft_health.usable() and len(seq) < limits.draft_max_context - 1:
                 k = min(controller.next_k(), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
+            # 1.1 A draft far behind (the prompt at the first step, or after plain steps) would make
+            #     this step wait for its prefill: it catches up in the background instead, with a
+            #     one-token Propose whose answer only fills its cache, while the steps go on plainly.
+            #     Greedy only: the plain steps it causes depend on timing, and a seeded sample
+            #     depends on the k schedule (greedy output never does).
+            if catching_up is not None:
+                if catching_up.done():
+                    try:
+                        catching_up.result()
+                        draft_health.succeeded()
+                    except grpc.aio.AioRpcError as exc:
+                        draft_failed(exc)
+                    except asyncio.CancelledError:
+                        pass
+                    catching_up = None
+                else:
+                    k = 0
+            elif k > 0 and ready is None and len(seq) - draft_seen > CATCH_UP_IN_BACKGROUND and params.sampling.greedy:
+                if controller.probing:  # a probe is worth a short Propose, not a prefill of everything missed
+                    k = 0
+                else:
+                    catching_up = track(draft.propose(session_id, list(seq), 1, params.confidence_threshold,
+                                                      params.sampling))
+                    used_draft = True
+                    draft_seen = len(seq)
+                    stats.draft_catch_ups += 1
+                    k = 0
             K_CHOSEN.observe(max(k, 0))
             # 2. Fetch the draft (a failure only costs this step its draft): the pre-draft when the
             #    last step left one, else a Propose now.
@@ -355,7 +390,7 @@ async def generate(
                 try:
                     v = await verify_when_admitted(call, functools.partial(
                         target.verify, session_id, seq, tokens, params.sampling, proposal.distributions if proposal else (),
-                        yield_cores=predraft is not None and limits.draft_shares_host))
+                        yield_cores=limits.draft_shares_host and (predraft is not None or DraftClient.in_flight > 0)))
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not tokens:
                         raise
@@ -380,6 +415,8 @@ async def generate(
             PREFIX_TOKENS.labels("computed").inc(max(len(seq) - v.cached_tokens, 0))
             # 4. Accept: the accepted draft prefix, then the target's own token.
             new = tokens[: v.num_accepted] + [v.next_token]
+            if tokens:  # the draft's cache holds seq and the drafted tokens the target accepted
+                draft_seen = len(seq) + v.num_accepted
             kind = "plain" if not tokens else ("bonus" if v.num_accepted == len(tokens) else "correction")
             if not params.ignore_eos:
                 eos_at = next((i for i, t in enumerate(new) if t in limits.eos_token_ids), None)
@@ -465,6 +502,8 @@ async def generate(
     finally:
         ACTIVE.dec()
         drop_predraft()
+        if catching_up is not None:
+            catching_up.cancel()  # the session is released next: its cache is of no more use
         # Free both caches now, even when cancelled; never let cleanup fail the request.
         clients = [target] + ([draft] if used_draft else [])
         task = asyncio.get_running_loop().create_task(_release(clients, session_id, set(inflight)))

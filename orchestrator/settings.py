@@ -52,6 +52,13 @@ class OrchestratorSettings(BaseSettings):
                             "block while the target verifies this one): on, off, or auto — while a request is the only "
                             "one in progress here (docs/performance.md)."
     )
+    shared_host_max_streams: int = Field(
+        1, ge=0,
+        description="When the draft computes on the target's host, the cost controller drafts only while at most this "
+                    "many generations are in progress here, and decodes plainly beyond (on 2 shared cores every k > 0 "
+                    "measured slower than plain decoding from 2 streams on: docs/batching.md); 0: no limit, the cost "
+                    "model alone decides.",
+    )
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none.")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get HTTP 413.")

@@ -11,6 +11,17 @@ forms:
   it stays in line for the next step, ahead of newer jobs). No fixed wait window: a lone job
   runs at once.
 
+**Returning sessions.** A stream that decodes plainly is answered and sends its next call a few
+milliseconds later (the client's round trip). Without care, the streams of a busy service split
+into cohorts that alternate passes: whoever was answered by pass n is still on its way back when
+pass n + 1 starts, so every pass carries half the streams and each stream gets a token every second
+pass. So the scheduler keeps, per session, a running mean of the time from an answer to that
+session's next call, and before a step it waits for the sessions answered by the previous step
+whose return time is short (at most ``gather_ms``, and at most ``GATHER_FRACTION`` of the previous
+step's time), stopping as soon as all of them are back. Sessions that go elsewhere in between (a
+speculative stream drafts before it verifies again) have long return times and are never waited
+for, and a lone stream never waits for anyone.
+
 At most ``max_queued`` calls wait or run at once; more get RESOURCE_EXHAUSTED at once, so a flood
 never occupies every RPC worker (health and Info keep answering) and never builds an unbounded
 backlog. A job whose RPC ends (deadline passed, client gone, server stopping) is dropped before
@@ -21,6 +32,7 @@ thread waiting forever.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -48,6 +60,12 @@ BATCH_SESSIONS = Histogram(
 BATCH_ROWS = Histogram(
     "specdec_batch_rows", "Token rows per batched forward pass (new tokens across its sessions).", ["service"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+)
+BATCH_GATHER = Histogram(
+    "specdec_batch_gather_seconds",
+    "Time a step waited for sessions answered by the previous step to send their next call.",
+    ["service"],
+    buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032),
 )
 QUEUE_DEPTH = Gauge("specdec_queue_depth", "Calls waiting for or in compute.", ["service"])
 
@@ -108,6 +126,8 @@ class SchedulerStats:
     calls: int = 0
     cpu_ns: int = 0
     queue_wait_ns: int = 0
+    gather_ns: int = 0
+    gather_waits: int = 0
     queued: int = 0
     max_queued: int = 0
 
@@ -137,7 +157,10 @@ class ComputeThread:
     :meth:`serve`. Calls made on the owner thread itself (tests, tools) run inline.
     """
 
-    def __init__(self, max_queued: int = 32, service: str = "") -> None:
+    GATHER_FRACTION = 0.15  # a step waits for returning sessions at most this share of the previous step's time
+    RETURN_DECAY = 0.7  # weight of the past in a session's running return time
+
+    def __init__(self, max_queued: int = 32, service: str = "", gather_ms: float = 30.0) -> None:
         self._owner = threading.get_ident()
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._slots = threading.Semaphore(max_queued)
@@ -148,6 +171,10 @@ class ComputeThread:
         self._lock = threading.Lock()
         self._in_flight = 0
         self.stats = SchedulerStats(max_queued=max_queued)
+        self.gather_s = gather_ms / 1e3
+        self._answered: dict[str, float] = {}  # sessions answered by the last step -> when
+        self._returns: dict[str, tuple[float, float]] = {}  # session -> (running return time s, last answer)
+        self._last_step_s = 0.0
         QUEUE_DEPTH.labels(service).set_function(lambda: self._in_flight)
 
     # ---- called from RPC threads ------------------------------------------------------------------
@@ -197,26 +224,78 @@ class ComputeThread:
 
     def serve(self, stop: threading.Event) -> None:
         """Execute submitted work until ``stop`` is set (call on the owner thread)."""
-        waiting = self._waiting
         while not stop.is_set():
+            waiting = self._waiting
             try:
                 # Block only when nothing is in line: a pending job must not wait for new arrivals.
                 first = self._queue.get(timeout=0.1) if not waiting else self._queue.get_nowait()
             except queue.Empty:
                 first = None
-            arrived = [first] if first is not None else []
-            while True:
-                try:
-                    arrived.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            for item in arrived:
-                if item.batcher is None:
-                    self._run_plain(item)
-                elif item.done.set_running_or_notify_cancel():
-                    waiting.append(item)
-            if waiting:
-                waiting = self._waiting = self._step(waiting)
+            if first is not None:
+                self._admit(first)
+            self._drain()
+            if waiting and self.gather_s > 0:
+                self._gather()
+            if self._waiting:
+                self._waiting = self._step(self._waiting)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._admit(self._queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _admit(self, item: _Item) -> None:
+        if item.batcher is None:
+            self._run_plain(item)
+            return
+        if not item.done.set_running_or_notify_cancel():
+            return
+        self._waiting.append(item)
+        sid = getattr(item.job, "session_id", None)
+        if sid is None:
+            return
+        self._answered.pop(sid, None)
+        if sid in self._returns:
+            mean, answered = self._returns[sid]
+            gap = item.queued_at / 1e9 - answered  # when the call was made, not when this thread got to it
+            mean = gap if math.isinf(mean) else self.RETURN_DECAY * mean + (1 - self.RETURN_DECAY) * gap
+            self._returns[sid] = (mean, answered)
+
+    def _gather(self) -> None:
+        """Wait (briefly) for the sessions answered by the last step that come back quickly."""
+        window = min(self.gather_s, self.GATHER_FRACTION * self._last_step_s)
+        expected = {sid for sid in self._answered if self._returns.get(sid, (math.inf, 0.0))[0] <= window}
+        if not expected:
+            return
+        t0 = time.perf_counter()
+        deadline = t0 + window
+        while expected.intersection(self._answered):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            try:
+                self._admit(self._queue.get(timeout=left))
+            except queue.Empty:
+                break
+            self._drain()
+        waited = time.perf_counter() - t0
+        self.stats.gather_ns += int(waited * 1e9)
+        self.stats.gather_waits += 1
+        BATCH_GATHER.labels(self._service).observe(waited)
+
+    def _answer(self, item: _Item, now: float) -> None:
+        """Note that ``item``'s session was answered at ``now`` (see :meth:`_gather`)."""
+        sid = getattr(item.job, "session_id", None)
+        if sid is None:
+            return
+        self._answered[sid] = now
+        mean = self._returns[sid][0] if sid in self._returns else math.inf
+        self._returns[sid] = (mean, now)
+        if len(self._returns) > 4 * self.max_queued:  # forget the sessions answered longest ago
+            for old, _ in sorted(self._returns.items(), key=lambda kv: kv[1][1])[: len(self._returns) // 2]:
+                del self._returns[old]
 
     def _run_plain(self, item: _Item) -> None:
         if not item.done.set_running_or_notify_cancel():
@@ -235,6 +314,8 @@ class ComputeThread:
                 item.done.set_exception(Cancelled("the call ended (deadline passed or client went away)"))
             else:
                 live.append(item)
+        self._answered = {}
+        step_t0 = time.perf_counter()
         by_batcher: dict[int, list[_Item]] = {}
         for item in live:
             by_batcher.setdefault(id(item.batcher), []).append(item)
@@ -278,6 +359,11 @@ class ComputeThread:
                     item.done.set_result(outcome)
                 if outcome is not PENDING:
                     self.stats.calls += 1
+        now = time.perf_counter()
+        self._last_step_s = now - step_t0
+        for item in live:
+            if id(item) not in still:
+                self._answer(item, now)
         return [item for item in live if id(item) in still]
 
     def _observe_wait(self, item: _Item) -> None:

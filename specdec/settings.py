@@ -39,6 +39,11 @@ class ModelServiceSettings(BaseSettings):
         128, ge=1,
         description="Model calls waiting for or in compute at once (each stream has at most one); more get RESOURCE_EXHAUSTED.",
     )
+    batch_gather_ms: float = Field(
+        30.0, ge=0, le=1000,
+        description="Before a batched step, wait up to this long (and at most 15 % of the previous step) for the "
+                    "sessions the previous step answered whose clients answer quickly; 0 never waits (docs/batching.md).",
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
     cache_dir: Path = Field(default_factory=default_cache_dir, description="Where converted models are cached.")
     log_level: str = Field("INFO", description="Python logging level.")

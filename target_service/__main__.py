@@ -25,7 +25,7 @@ def main() -> None:
 
     security = server_security(settings)  # before the slow model load: a bad secret path fails at once
     t0 = time.perf_counter()
-    compute = ComputeThread(settings.max_queued_calls, "target")  # this (main) thread loads the model and runs every forward pass
+    compute = ComputeThread(settings.max_queued_calls, "target", settings.batch_gather_ms)  # this (main) thread loads the model and runs every forward pass
     loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
     store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
     engine = TargetEngine(loaded, store, settings.max_draft_tokens, settings.max_batch_rows, settings.overlap_threads)

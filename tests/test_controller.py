@@ -217,6 +217,29 @@ def test_one_stream_on_shared_cores_is_paced_by_its_wall_time():
     assert c.next_k() >= 4
 
 
+@pytest.mark.parametrize("hosts, limit, streams, drafts", [
+    ((("h", 2.0), ("h", 2.0)), 1, 2, False),  # shared cores, two streams: plain decoding
+    ((("h", 2.0), ("h", 2.0)), 1, 1, True),  # shared cores, one stream: the cost model decides
+    ((("h", 2.0), ("h", 2.0)), 0, 8, True),  # limit off
+    ((("h", 2.0), ("other", 2.0)), 1, 8, True),  # the draft has its own host
+    ((None, None), 1, 8, True),  # hosts unknown
+])
+def test_shared_host_stream_limit(hosts, limit, streams, drafts):
+    """``shared_host_max_streams``: with the draft on the target's cores and more generations in
+    progress than the limit, the cost controller decodes plainly (and does not probe); otherwise
+    the cost model alone decides (here cheap, well-accepted drafts: it drafts)."""
+    m = CostModel(shared_host_max_streams=limit)
+    m.set_hosts(*hosts, own=None)
+    m.streams = streams
+    c = CostController(4, 8, m, probe_every=2)
+    for _ in range(20):
+        k = c.next_k()
+        c.observe(step(k, k, k, draft_ms=2.0 * k + 0.5, verify_ms=40 + 1.0 * k))
+    picks = [c.next_k() for _ in range(6)]
+    assert (max(picks) > 0) is drafts
+    assert not c.probing
+
+
 def test_unknown_hosts_mean_no_cpu_term():
     m, _ = _cpu_bound_costs(None, None)
     assert m.cpu_round_ms(3) == 0.0

@@ -269,3 +269,19 @@ def test_hf_generate_ignores_eos_like_specdec(tiny_models):
         for _ in range(12):
             seq.append(int(loaded.model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
     assert got == seq[len(ids):]
+
+
+@pytest.mark.embedded
+def test_batchcost_measures_both_engines(tmp_path):
+    """``python -m evaluation.batchcost`` on the embedded pair: a row per batch size, positive
+    times, and a step of three sessions not cheaper than one (within noise)."""
+    from evaluation import batchcost
+
+    assert batchcost.main(["--batches", "1,3", "--rows", "1,2", "--repeats", "2", "--context", "32",
+                           "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["target_ms"]) == {"1x1", "3x1", "1x2", "3x2"}
+    assert set(results["draft_step_ms"]) == {"1", "3"}
+    assert all(v > 0 for v in results["target_ms"].values())
+    assert results["draft_step_ms"]["3"] > results["draft_step_ms"]["1"] * 0.8
+    assert "| 3 |" in (tmp_path / "results.md").read_text()

@@ -242,3 +242,45 @@ def test_overlapped_cost_model_prefers_longer_drafts_when_the_draft_is_far():
     for _ in range(30):
         stuck.observe(StepObservation(k=4, proposed=4, accepted=0, draft_ms=0, verify_ms=0, warm=False))
     assert stuck.round_ms(4) == pytest.approx(costs.verify_ms(4) + costs.draft_ms(4), rel=0.02)
+
+
+# ---- the draft catches up in the background -------------------------------------------------------
+
+LONG_PROMPT = [(7 * i + 3) % 23 + 2 for i in range(40)]  # more than CATCH_UP_IN_BACKGROUND tokens
+
+
+class LongPromptDraft(ScriptedDraft):
+    def __init__(self, reference: list[int], delay_s: float) -> None:
+        super().__init__([], set(), delay_s)
+        self.full = LONG_PROMPT + reference
+
+
+@pytest.mark.parametrize("overlap", [False, None])
+def test_the_first_token_does_not_wait_for_the_draft_prefill(engine, overlap):
+    """A prompt of 40 tokens and a draft that takes 150 ms a call: the first steps run plainly
+    while one background Propose fills the draft's cache, drafting starts once it is back, and the
+    output is plain greedy decoding."""
+    reference = greedy_reference(engine.lm.model, LONG_PROMPT, N)
+    draft = LongPromptDraft(reference, delay_s=0.15)
+    params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=N, ignore_eos=True, overlap=overlap)
+    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 4, 8),
+                                   target=SlowTarget(engine, 0.02)))
+    tokens = [t for s in steps for t in s.tokens]
+    assert tokens == reference
+    assert draft.calls[0] == (len(LONG_PROMPT), 1)  # the catch-up: the whole prompt, one token
+    assert stats.draft_catch_ups == 1
+    ks = [s.k for s in steps]
+    lead = next(i for i, k in enumerate(ks) if k > 0)
+    assert lead >= 2  # several plain steps (20 ms each) went by while the draft (150 ms) prefilled
+    assert steps[0].tokens and steps[0].k == 0
+    assert all(k > 0 for k in ks[lead:-1])  # then it drafts (the last step may have 1 token left)
+
+
+def test_sampling_drafts_from_the_first_step(engine):
+    """Seeded sampling keeps the synchronous Propose: its k schedule must not depend on timing."""
+    reference = greedy_reference(engine.lm.model, LONG_PROMPT, N)
+    draft = LongPromptDraft(reference, delay_s=0.05)
+    params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=8, ignore_eos=True,
+                              sampling=sm.Sampling(temperature=0.9, seed=3))
+    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 3, 8)))
+    assert stats.draft_catch_ups == 0 and steps[0].k == 3

@@ -165,7 +165,7 @@ class InfoResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[_Union[SchedulerStats, _Mapping]] = ..., host_id: _Optional[str] = ..., cpu_cores: _Optional[float] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("forwards", "sessions", "rows", "busy_ns", "calls", "queue_wait_ns", "queued", "max_queued", "cpu_ns")
+    __slots__ = ("forwards", "sessions", "rows", "busy_ns", "calls", "queue_wait_ns", "queued", "max_queued", "cpu_ns", "gather_ns", "gather_waits")
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,8 @@ class SchedulerStats(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
     CPU_NS_FIELD_NUMBER: _ClassVar[int]
+    GATHER_NS_FIELD_NUMBER: _ClassVar[int]
+    GATHER_WAITS_FIELD_NUMBER: _ClassVar[int]
     forwards: int
     sessions: int
     rows: int
@@ -184,7 +186,9 @@ class SchedulerStats(_message.Message):
     queued: int
     max_queued: int
     cpu_ns: int
-    def __init__(self, forwards: _Optional[int] = ..., sessions: _Optional[int] = ..., rows: _Optional[int] = ..., busy_ns: _Optional[int] = ..., calls: _Optional[int] = ..., queue_wait_ns: _Optional[int] = ..., queued: _Optional[int] = ..., max_queued: _Optional[int] = ..., cpu_ns: _Optional[int] = ...) -> None: ...
+    gather_ns: int
+    gather_waits: int
+    def __init__(self, forwards: _Optional[int] = ..., sessions: _Optional[int] = ..., rows: _Optional[int] = ..., busy_ns: _Optional[int] = ..., calls: _Optional[int] = ..., queue_wait_ns: _Optional[int] = ..., queued: _Optional[int] = ..., max_queued: _Optional[int] = ..., cpu_ns: _Optional[int] = ..., gather_ns: _Optional[int] = ..., gather_waits: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,132 @@
+"""``python -m evaluation.batchcost``: what one batched step costs each model service's engine, by
+batch size, in this process (no RPC): a target pass of B sessions × q new tokens, and a draft step
+that advances B sessions by one token each.
+
+This is the table that says whether speculation can win under load: batched plain decoding gets
+B tokens per target pass, speculation needs k draft steps of B sessions as well, so once a draft
+step of B sessions costs about as much as a target pass of B rows, a draft token is no cheaper
+than a target one and plain decoding wins. Each session has ``--context`` tokens cached first
+(random ids, the same for every mode); every figure is the median of ``--repeats`` steps.
+The services set the same thread counts (target: all cores, with the bounded OpenMP spin;
+draft: llama.cpp on one thread), so the figures match what they pay per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from evaluation import report
+
+logger = logging.getLogger("evaluation.batchcost")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m evaluation.batchcost", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16],
+                   help="sessions per step (default 1,2,4,8,16)")
+    p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 5],
+                   help="new tokens per session in a target pass (default 1,5: a plain step and a k = 4 verify)")
+    p.add_argument("--context", type=int, default=200, help="cached tokens per session (default 200)")
+    p.add_argument("--repeats", type=int, default=7, help="steps measured per point (default 7)")
+    p.add_argument("--target", default="embedded", help="target model (default the embedded one)")
+    p.add_argument("--draft", default="embedded", help="draft GGUF for llama.cpp (default the embedded one)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default evaluation/results/batchcost-<timestamp>/)")
+    return p.parse_args(argv)
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 20000) for _ in range(n)]
+
+
+def target_costs(args: argparse.Namespace) -> dict[tuple[int, int], float]:
+    from specdec.models import load_hf
+    from specdec.sessions import SessionStore
+    from specdec.settings import default_cache_dir
+    from target_service.engine import TargetEngine
+
+    engine = TargetEngine(load_hf(args.target, "float32", "cpu", default_cache_dir()),
+                          SessionStore(512, 8 << 30, 0), max_draft_tokens=32)
+    rng = random.Random(0)
+    out = {}
+    for q in args.rows:
+        for b in args.batches:
+            seqs = [_ids(rng, args.context) for _ in range(b)]
+            for i, s in enumerate(seqs):
+                engine.verify(f"t{q}-{b}-{i}", s)
+            times = []
+            for _ in range(args.repeats):
+                # each step: the session's next token (uncached) plus q - 1 draft tokens
+                jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1)) for i, s in enumerate(seqs)]
+                t = time.perf_counter()
+                engine.step(jobs)
+                times.append((time.perf_counter() - t) * 1e3)
+            for i in range(b):
+                engine.release(f"t{q}-{b}-{i}")
+            out[(b, q)] = statistics.median(times)
+            logger.info("target: %d sessions × %d rows: %.1f ms", b, q, out[(b, q)])
+    return out
+
+
+def draft_costs(args: argparse.Namespace) -> dict[int, float]:
+    from draft_service.backends.llamacpp import LlamaCppProposer
+    from specdec.models import resolve_gguf
+
+    proposer = LlamaCppProposer(str(resolve_gguf(args.draft)), max(args.batches) * 2, 1 << 30, 0, 64)
+    rng = random.Random(1)
+    out = {}
+    for b in args.batches:
+        jobs = [proposer.prepare(f"d{b}-{i}", _ids(rng, args.context), args.repeats + 2) for i in range(b)]
+        while not all(j.drafted for j in jobs):  # the prefill (in chunks of n_batch rows) and a first token
+            proposer.step([j for j in jobs if not j.drafted])
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            proposer.step(jobs)
+            times.append((time.perf_counter() - t) * 1e3)
+        for j in jobs:
+            proposer.release(j.session_id)
+        out[b] = statistics.median(times)
+        logger.info("draft: %d sessions: %.1f ms", b, out[b])
+    return out
+
+
+def render(target: dict[tuple[int, int], float], draft: dict[int, float], args: argparse.Namespace) -> str:
+    head = ["sessions B", *(f"target B×{q} (ms)" for q in args.rows), "draft step (ms)",
+            *(f"target per row, q={q} (ms)" for q in args.rows), "draft per session (ms)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for b in args.batches:
+        cells = [str(b), *(report.fmt(target[(b, q)]) for q in args.rows), report.fmt(draft[b]),
+                 *(report.fmt(target[(b, q)] / (b * q)) for q in args.rows), report.fmt(draft[b] / b)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out, command = report.start_run("evaluation.batchcost", argv, args.out, "batchcost-")
+    from specdec.runtime import TARGET_SPIN_COUNT, configure_torch
+
+    configure_torch(0, spin_count=TARGET_SPIN_COUNT)  # as the target service: all cores, bounded spin
+    target = target_costs(args)
+    draft = draft_costs(args)
+    table = render(target, draft, args)
+    results: dict[str, Any] = {
+        "command": command, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "target_ms": {f"{b}x{q}": ms for (b, q), ms in target.items()}, "draft_step_ms": draft,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(f"# Batched step cost\n\nCommand: `{command}`\n\n{table}\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""The scheduler waits briefly for sessions answered by the previous step that come straight back,
+so busy streams share passes instead of splitting into cohorts that alternate (specdec/scheduler.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from specdec.scheduler import ComputeThread, StepResult
+
+
+@dataclass
+class Job:
+    session_id: str
+
+
+class PassRecorder:
+    """A batcher whose every pass takes ``pass_s`` and records the sessions in it."""
+
+    def __init__(self, pass_s: float) -> None:
+        self.pass_s = pass_s
+        self.passes: list[set[str]] = []
+
+    def step(self, jobs: list[Job]) -> StepResult:
+        time.sleep(self.pass_s)
+        self.passes.append({j.session_id for j in jobs})
+        return StepResult([j.session_id for j in jobs], sessions=len(jobs), rows=len(jobs))
+
+
+def run_streams(gather_ms: float, pass_s: float, think_s: dict[str, float], rounds: int) -> tuple[PassRecorder, ComputeThread]:
+    """One client thread per session: call, get the answer, think ``think_s[session]``, call again."""
+    batcher = PassRecorder(pass_s)
+    compute = ComputeThread(max_queued=16, service="test-gather", gather_ms=gather_ms)
+    stop = threading.Event()
+    start = threading.Barrier(len(think_s))
+
+    def client(sid: str) -> None:
+        start.wait()
+        for _ in range(rounds):
+            assert compute.submit(batcher, Job(sid)) == sid
+            time.sleep(think_s[sid])
+
+    threads = [threading.Thread(target=client, args=(sid,)) for sid in think_s]
+    for t in threads:
+        t.start()
+    threading.Thread(target=lambda: [t.join() for t in threads] and None or stop.set()).start()
+    compute.serve(stop)
+    return batcher, compute
+
+
+def test_returning_sessions_share_passes():
+    """Four streams that call again 1 ms after each answer: with the wait, (nearly) every pass
+    carries all four; without it they split into cohorts and need more passes for the same work."""
+    streams = {f"s{i}": 0.001 for i in range(4)}
+    gathered, compute = run_streams(30.0, 0.04, streams, rounds=10)
+    alone, _ = run_streams(0.0, 0.04, streams, rounds=10)
+    full = sum(len(p) == 4 for p in gathered.passes)
+    assert len(gathered.passes) <= 10 + 3 and full >= 8, gathered.passes
+    assert len(gathered.passes) < len(alone.passes), (gathered.passes, alone.passes)
+    stats = compute.snapshot()
+    assert stats.gather_waits > 0
+    # each wait is bounded by 15 % of a 40 ms pass
+    assert stats.gather_ns / stats.gather_waits < 0.15 * 0.04 * 1e9 * 1.5
+
+
+def test_a_slow_returner_is_not_waited_for():
+    """A session that comes back only after 150 ms (say, it drafts elsewhere in between) never
+    holds up a pass: the fast session's passes run back to back, without waiting for it."""
+    gathered, compute = run_streams(30.0, 0.02, {"fast": 0.0005, "slow": 0.15}, rounds=12)
+    stats = compute.snapshot()
+    # every wait ends when the fast session is back (well under the 3 ms window), none for the slow one
+    assert stats.gather_ns / max(stats.gather_waits, 1) < 3e6
+    slow_passes = [p for p in gathered.passes if "slow" in p]
+    assert len(slow_passes) == 12 and sum(len(p) == 1 for p in gathered.passes) >= 12
+
+
+def test_a_lone_stream_never_waits():
+    batcher, compute = run_streams(30.0, 0.01, {"only": 0.02}, rounds=6)
+    assert len(batcher.passes) == 6
+    # its return time (20 ms) is over the window (15 % of 10 ms): never expected
+    assert compute.snapshot().gather_waits == 0
