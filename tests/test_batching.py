@@ -81,6 +81,20 @@ def test_long_prefill_is_chunked_and_short_jobs_go_first(loaded):
     assert engine.store.get_or_create("long", lambda: None).tokens == long_prompt
 
 
+def test_a_prefill_beside_decodes_takes_a_small_chunk_and_alone_a_large_one(loaded):
+    """shared_prefill_rows bounds a long prefill's chunk in a pass that also decodes for other
+    sessions (their next token stays close); alone, the prefill uses the whole max_batch_rows."""
+    engine = TargetEngine(loaded, SessionStore(16, 1 << 30, 0), max_draft_tokens=8, max_batch_rows=128,
+                          shared_prefill_rows=16)
+    long_prompt = [(i * 7) % 40 + 1 for i in range(90)]
+    short = engine.prepare("short", PROMPTS[0], [1, 2])
+    first = engine.step([engine.prepare("long", long_prompt), short])
+    assert first.outcomes[0] is PENDING and first.rows == len(PROMPTS[0]) + 2 + 16
+    second = engine.step([engine.prepare("long", long_prompt)])  # alone: the remaining 74 rows at once
+    assert second.outcomes[0] is not PENDING and second.rows == 90 - 16
+    assert second.outcomes[0].next_token == greedy_reference(loaded.model, long_prompt, 1)[0]
+
+
 def test_two_calls_on_one_session_never_share_a_pass(loaded):
     engine = engine_of(loaded)
     a = engine.prepare("same", PROMPTS[0])
