@@ -340,6 +340,7 @@ async def generate(
                         draft_health.succeeded()
                     except grpc.aio.AioRpcError as exc:
                         draft_failed(exc)
+                        k = 0  # the draft is down (or refused this input): no Propose right after
                     except asyncio.CancelledError:
                         pass
                     catching_up = None

@@ -284,3 +284,40 @@ def test_sampling_drafts_from_the_first_step(engine):
                               sampling=sm.Sampling(temperature=0.9, seed=3))
     steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 3, 8)))
     assert stats.draft_catch_ups == 0 and steps[0].k == 3
+
+
+@pytest.mark.parametrize("in_flight, shared_host, yields", [(1, True, True), (1, False, False), (0, True, False)])
+def test_a_verify_yields_cores_while_another_streams_propose_runs_on_its_host(engine, reference, monkeypatch,
+                                                                              in_flight, shared_host, yields):
+    """Any Propose of this orchestrator in flight (another stream's, here) makes even a plain step's
+    Verify leave the draft a core, but only when the draft shares the target's host."""
+    from orchestrator.clients import DraftClient
+
+    monkeypatch.setattr(DraftClient, "in_flight", in_flight)
+    target = SlowTarget(engine, 0.0)
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=6, ignore_eos=True, mode="autoregressive")
+    steps, _ = asyncio.run(run(engine, ScriptedDraft(reference, set()), params, make_controller("fixed", 0, 8),
+                               shared_host, target))
+    assert [t for s in steps for t in s.tokens] == reference[:6]
+    assert target.yield_cores == [yields] * 6
+
+
+def test_a_failing_catch_up_costs_drafts_not_the_request(engine):
+    """The background catch-up fails (the draft is down): the request goes on plainly, with the
+    same output, and the draft is left alone for its retry interval."""
+    import grpc
+
+    class Down(LongPromptDraft):
+        async def propose(self, session_id, tokens, k, threshold, sampling):
+            self.calls.append((len(tokens), k))
+            await asyncio.sleep(0.03)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
+
+    reference = greedy_reference(engine.lm.model, LONG_PROMPT, 12)
+    draft = Down(reference, delay_s=0.0)
+    params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=12, ignore_eos=True)
+    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 4, 8), target=SlowTarget(engine, 0.01)))
+    assert [t for s in steps for t in s.tokens] == reference
+    assert draft.calls == [(len(LONG_PROMPT), 1)]  # one catch-up; after its failure no Propose for 1 s
+    assert stats.draft_catch_ups == 1 and stats.draft_fallbacks == 1
+    assert all(s.k == 0 for s in steps)
