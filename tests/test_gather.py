@@ -41,10 +41,15 @@ def run_streams(gather_ms: float, pass_s: float, think_s: dict[str, float], roun
             assert compute.submit(batcher, Job(sid)) == sid
             time.sleep(think_s[sid])
 
+    def stop_when_done() -> None:
+        for t in threads:
+            t.join()
+        stop.set()
+
     threads = [threading.Thread(target=client, args=(sid,)) for sid in think_s]
     for t in threads:
         t.start()
-    threading.Thread(target=lambda: [t.join() for t in threads] and None or stop.set()).start()
+    threading.Thread(target=stop_when_done).start()
     compute.serve(stop)
     return batcher, compute
 
