@@ -44,6 +44,7 @@ class ProposeJob(CpuAccounted):
     sampling: sm.Sampling
     return_distributions: bool
     prepare_ns: int = 0
+    yield_cores: bool = False  # the target computes on this host meanwhile: draft on overlap_threads
     queue_ns: int = 0  # set by the scheduler: wait before the first step
     # drafting state, advanced by the backend's steps
     k: int = 0  # tokens to draft at most (max_draft_tokens, or less near the end of the context)
@@ -158,6 +159,7 @@ class Proposer(abc.ABC):
         confidence_threshold: float = 0.0,
         sampling: sm.Sampling = sm.Sampling(),
         return_distributions: bool = False,
+        yield_cores: bool = False,
     ) -> ProposeJob:
         """Validate a Propose request (raises InvalidArgument) without touching the model, so a
         malformed or oversized request never costs the compute thread any time."""
@@ -173,7 +175,7 @@ class Proposer(abc.ABC):
             raise InvalidArgument(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         sampling.validate()
         return ProposeJob(session_id, tokens, max_draft_tokens, confidence_threshold, sampling,
-                          return_distributions and not sampling.greedy, time.perf_counter_ns() - t0)
+                          return_distributions and not sampling.greedy, time.perf_counter_ns() - t0, yield_cores)
 
     def run(self, job: ProposeJob) -> Proposal:
         """Draft for one validated request on its own (step after step)."""

@@ -38,6 +38,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             request.confidence_threshold,
             sampling_from_pb(request.sampling),
             request.return_distributions,
+            request.yield_cores,
         )
         result = self._compute.submit(self.proposer, job, context) if self._compute else self.proposer.run(job)
         PROPOSED.inc(len(result.tokens))

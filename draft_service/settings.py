@@ -19,8 +19,10 @@ class DraftSettings(ModelServiceSettings):
         "llamacpp", description="Draft backend: llamacpp (GGUF), transformers (any causal LM), ngram (prompt lookup)."
     )
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one).")
-    threads: int = Field(
-        0, ge=0, description="Compute threads; 0 uses all cores for transformers and one thread for llama.cpp."
+    threads: int = Field(0, ge=0, description="Compute threads; 0 uses every core the process may use.")
+    overlap_threads: int = Field(
+        1, ge=0, description="Threads of a draft step while the target computes on the same host (the Propose says "
+                             "`yield_cores`: overlapped pre-drafts, catch-ups, concurrent streams); 0: all of `threads`."
     )
     metrics_port: int | None = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
     kv_budget_mb: float = Field(256, gt=0, description="KV cache budget in MiB across sessions (LRU eviction).")

@@ -112,9 +112,9 @@ def render(target: dict[tuple[int, int], float], draft: dict[int, float], args: 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out, command = report.start_run("evaluation.batchcost", argv, args.out, "batchcost-")
-    from specdec.runtime import TARGET_SPIN_COUNT, configure_torch
+    from specdec.runtime import SPIN_COUNT, configure_torch
 
-    configure_torch(0, spin_count=TARGET_SPIN_COUNT)  # as the target service: all cores, bounded spin
+    configure_torch(0, spin_count=SPIN_COUNT)  # as the target service: all cores, bounded spin
     target = target_costs(args)
     draft = draft_costs(args)
     table = render(target, draft, args)

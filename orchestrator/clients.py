@@ -117,10 +117,10 @@ class DraftClient(_Client):
         self.stub = pb_grpc.DraftServiceStub(self.channel)
 
     async def propose(self, session_id: str, tokens: Sequence[int], k: int, threshold: float,
-                      sampling: sm.Sampling) -> Proposed:
+                      sampling: sm.Sampling, yield_cores: bool = False) -> Proposed:
         request = pb.ProposeRequest(
             session_id=session_id, tokens=tokens, max_draft_tokens=k, confidence_threshold=threshold,
-            sampling=sampling_to_pb(sampling), return_distributions=not sampling.greedy,
+            sampling=sampling_to_pb(sampling), return_distributions=not sampling.greedy, yield_cores=yield_cores,
         )
         t0 = time.perf_counter()
         DraftClient.in_flight += 1
@@ -147,6 +147,10 @@ class DraftClient(_Client):
 class TargetClient(_Client):
     service = "target"
 
+    # Verify calls this process has in flight, to any target: while one runs on the draft's host,
+    # a Propose asks the draft to leave the target its cores (ProposeRequest.yield_cores).
+    in_flight = 0
+
     def __init__(self, address: str, timeout_s: float, security: ChannelSecurity | None = None) -> None:
         super().__init__(address, timeout_s, security)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
@@ -160,7 +164,11 @@ class TargetClient(_Client):
             return_target_probs=return_target_probs, yield_cores=yield_cores,
         )
         t0 = time.perf_counter()
-        r = await self.stub.Verify(request, timeout=self.timeout_s)
+        TargetClient.in_flight += 1
+        try:
+            r = await self.stub.Verify(request, timeout=self.timeout_s)
+        finally:
+            TargetClient.in_flight -= 1
         wall = time.perf_counter() - t0
         RPC_CLIENT_LATENCY.labels(self.service, "Verify").observe(wall)
         return Verified(

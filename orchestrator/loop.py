@@ -350,8 +350,9 @@ async def generate(
                 if controller.probing:  # a probe is worth a short Propose, not a prefill of everything missed
                     k = 0
                 else:
+                    # plain steps run beside it: it leaves the target its cores
                     catching_up = track(draft.propose(session_id, list(seq), 1, params.confidence_threshold,
-                                                      params.sampling))
+                                                      params.sampling, yield_cores=limits.draft_shares_host))
                     used_draft = True
                     draft_seen = len(seq)
                     stats.draft_catch_ups += 1
@@ -368,8 +369,10 @@ async def generate(
                 t_draft = time.perf_counter()
                 used_draft = True  # even a failed call may have created the session
                 try:
+                    # Alone, the target idles while the draft drafts: the draft may take every core.
+                    busy = in_progress() > 1 or TargetClient.in_flight > 0
                     proposal = await call(draft.propose(session_id, seq, k, params.confidence_threshold,
-                                                        params.sampling))
+                                                        params.sampling, yield_cores=limits.draft_shares_host and busy))
                     draft_ms = proposal.wall_ms
                     draft_health.succeeded()
                 except grpc.aio.AioRpcError as exc:
@@ -386,7 +389,7 @@ async def generate(
             pre_k = min(k + 1, remaining - len(tokens) - 1, limits.draft_max_draft)
             if overlap and tokens and pre_k >= 2 and len(seq) + len(tokens) < limits.draft_max_context - 1:
                 predraft = track(draft.propose(session_id, seq + tokens, pre_k, params.confidence_threshold,
-                                               params.sampling))
+                                               params.sampling, yield_cores=limits.draft_shares_host))
             try:
                 try:
                     v = await verify_when_admitted(call, functools.partial(

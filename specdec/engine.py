@@ -6,6 +6,7 @@ Engines never import grpc; servicers translate their results and map :mod:`specd
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -68,8 +69,29 @@ def max_context_of(config: Any) -> int:
     return 2048
 
 
-# Verify forwards carry 1..k+1 rows; above this many the stock linear kernel is used (prefill).
-FAST_LINEAR_MAX_ROWS = 32
+# Decode and verify forwards carry 1..k+1 rows per session; above this many rows in a pass (long
+# prefills) the stock kernel is used. oneDNN measured faster than MKL up to 256 rows as well
+# (1536x576 weight, 2 threads: 2.9 against 4.6 ms at 256 rows), but prefill is not where time goes.
+FAST_LINEAR_MAX_ROWS = 64
+# From this many rows on, oneDNN's inner product beats MKL's ``(W @ x.T).T``: measured through the
+# embedded target's whole verify (2 threads, 200 tokens of context, medians): 2 / 4 / 5 / 6 / 8 rows
+# took 84 / 76 / 76 / 86 / 88 ms with oneDNN against 53 / 62 / 81 / 104 / 109 ms; 9 and 13 rows 89 /
+# 98 against 118 / 150. Fewer rows read the weights faster through MKL (memory-bound).
+ONEDNN_MIN_ROWS = 5
+
+
+def _onednn_linear() -> Any:
+    """torch's oneDNN fp32 inner product (``mkldnn::_linear_pointwise``), or None without oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if op is None:
+        return None
+    try:  # the op exists in every x86 build seen; a build without its kernel fails here, not mid-forward
+        op(torch.ones(2, 4), torch.ones(3, 4), None, "none", [], "")
+    except RuntimeError:
+        return None
+    return op
 
 
 class _FastLinears:
@@ -78,9 +100,12 @@ class _FastLinears:
     ``F.linear(x, W)`` computes ``x @ W.T``; with 2..~10 rows MKL takes a slow path for the
     transposed weight (the 49152-row lm_head took 20-40 ms for 2-5 rows against 10 ms for one),
     and its one-row gemv reaches only ~10 GB/s. ``(W @ x.T).T`` streams the row-major weight at
-    ~25 GB/s for two or more rows, so a single row is duplicated to two. Same dot products, only
-    the summation blocking differs (~1e-6 relative). Active only inside :meth:`active` (per thread),
-    so other users of the same model object (``generate``, tests) keep the stock kernels.
+    ~25 GB/s for two to four rows (a single row is duplicated to two). From ONEDNN_MIN_ROWS rows on
+    (a verify of k >= 4, or a batched pass), oneDNN's fp32 inner product (through torch, no extra
+    package) is faster still, and its cost grows slowly with the rows: a verify of 13 rows costs
+    about twice a plain step instead of three times. Only the summation blocking differs between
+    the kernels (~1e-6 relative). Active only inside :meth:`active` (per thread), so other users of
+    the same model object (``generate``, tests) keep the stock kernels.
     """
 
     @classmethod
@@ -95,6 +120,8 @@ class _FastLinears:
     def __init__(self, model: Any) -> None:
         self._local = threading.local()
         self.count = 0
+        self._onednn = _onednn_linear()
+        self.kernel = "onednn" if self._onednn is not None else "matmul"
         for module in model.modules():
             if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" \
                     and module.weight.dtype == torch.float32:
@@ -112,6 +139,9 @@ class _FastLinears:
         rows = x2.shape[0]
         if rows > FAST_LINEAR_MAX_ROWS or rows == 0 or x2.dtype != torch.float32:
             return stock(x)
+        if self._onednn is not None and rows >= ONEDNN_MIN_ROWS:
+            y = self._onednn(x2.contiguous(), module.weight, module.bias, "none", [], "")
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         if rows == 1:
             y = (module.weight @ torch.cat((x2, x2)).T)[:, :1].T.contiguous()
         else:
@@ -281,3 +311,22 @@ class CachedCausalLM:
             )
         logits = out.logits[0].float() if keep else None
         return [logits[first : first + want] if want else None for first, want in spans]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run the block on ``n`` torch threads when that is fewer than now (0: unchanged).
+
+    Measured through the services on 2 shared cores (embedded pair): a 2-thread Verify of 5 rows
+    with a draft computing next to it took 105 ms against 48 ms alone, as its OpenMP threads wait
+    for each other behind the draft; on 1 thread it took 88 ms. Switching costs microseconds.
+    """
+    before = torch.get_num_threads()
+    if not 0 < n < before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -14,7 +14,15 @@ logger = logging.getLogger(__name__)
 # cores busy while llama.cpp drafts. Measured through the services (embedded pair, 2 cores,
 # fixed k = 4): default spin 28.6 tok/s (draft 19 ms/token), 20,000 43.6 tok/s (draft 9.5
 # ms/token) with the target's own forward unchanged; much shorter spins slow the target's forward.
-TARGET_SPIN_COUNT = 20_000
+SPIN_COUNT = 20_000
+
+
+def available_cores() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def configure_torch(threads: int, passive_wait: bool = False, spin_count: int | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from specdec.runtime import TARGET_SPIN_COUNT, configure_torch, start_metrics
+from specdec.runtime import SPIN_COUNT, configure_torch, start_metrics
 from specdec.scheduler import ComputeThread
 from specdec.server import configure_logging, serve_forever
 from specdec.sessions import SessionStore
@@ -17,7 +17,7 @@ logger = logging.getLogger("target_service")
 def main() -> None:
     settings = TargetSettings(_cli_parse_args=True)
     configure_logging(settings.log_level)
-    configure_torch(settings.threads, spin_count=TARGET_SPIN_COUNT)
+    configure_torch(settings.threads, spin_count=SPIN_COUNT)
     from specdec.auth import server_security
     from specdec.models import load_hf
     from target_service.engine import TargetEngine
@@ -25,7 +25,8 @@ def main() -> None:
 
     security = server_security(settings)  # before the slow model load: a bad secret path fails at once
     t0 = time.perf_counter()
-    compute = ComputeThread(settings.max_queued_calls, "target", settings.batch_gather_ms)  # this (main) thread loads the model and runs every forward pass
+    # this (main) thread loads the model and runs every forward pass
+    compute = ComputeThread(settings.max_queued_calls, "target", settings.batch_gather_ms)
     loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
     store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
     engine = TargetEngine(loaded, store, settings.max_draft_tokens, settings.max_batch_rows, settings.overlap_threads,

@@ -3,7 +3,6 @@ rejection-sampling verification. No grpc here; see servicer.py."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from specdec.engine import (
     ForwardRequest,
     ModelInfo,
     eos_ids,
+    torch_threads,
     validate_context,
     validate_session_id,
     validate_tokens,
@@ -225,7 +225,7 @@ class TargetEngine:
             # from a pass alone (harmless for argmax, but it moves a seeded sampling request's
             # acceptance tests), so each sampling job gets a pass of its own, chunked as if alone:
             # its output is then the same under any load.
-            with _threads(self.overlap_threads if any(jobs[i].yield_cores for i, _ in plan) else 0):
+            with torch_threads(self.overlap_threads if any(jobs[i].yield_cores for i, _ in plan) else 0):
                 results = self.lm.forward_batch([request for _, request in plan]) if plan else []
             for item in solo:
                 results += self.lm.forward_batch([item[1]])
@@ -274,25 +274,6 @@ class TargetEngine:
             batch_rows=batch_rows,
             queue_ns=job.queue_ns,
         )
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    """Run the block on ``n`` torch threads when that is fewer than now (0: unchanged).
-
-    Measured through the services on 2 shared cores (embedded pair): a 2-thread Verify of 5 rows
-    with a draft computing next to it took 105 ms against 48 ms alone, as its OpenMP threads wait
-    for each other behind the draft; on 1 thread it took 88 ms. Switching costs microseconds.
-    """
-    before = torch.get_num_threads()
-    if not 0 < n < before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # Draft probabilities are float32 sums over up to the whole vocabulary: allow for rounding.

@@ -436,7 +436,7 @@ class _OutOfVocabDraft:
     def __init__(self) -> None:
         self.calls, self.released = 0, []
 
-    async def propose(self, session_id, tokens, k, threshold, sampling):
+    async def propose(self, session_id, tokens, k, threshold, sampling, yield_cores=False):
         from orchestrator.clients import Proposed
 
         self.calls += 1

@@ -45,12 +45,14 @@ class ScriptedDraft:
         self.full = PROMPT + reference
         self.wrong, self.delay_s = wrong, delay_s
         self.calls: list[tuple[int, int]] = []  # (len(tokens), k)
+        self.yield_cores: list[bool] = []  # per call: whether it asked to leave the target its cores
         self.cancelled = 0
         self.running = 0
         self.max_running = 0
 
-    async def propose(self, session_id, tokens, k, threshold, sampling):
+    async def propose(self, session_id, tokens, k, threshold, sampling, yield_cores=False):
         self.calls.append((len(tokens), k))
+        self.yield_cores.append(yield_cores)
         self.running += 1
         self.max_running = max(self.max_running, self.running)
         try:
@@ -155,12 +157,12 @@ async def test_a_failing_predraft_costs_drafts_not_the_request(engine, reference
     import grpc
 
     class Dies(ScriptedDraft):
-        async def propose(self, session_id, tokens, k, threshold, sampling):
+        async def propose(self, session_id, tokens, k, threshold, sampling, yield_cores=False):
             if len(self.calls) >= 1:
                 self.calls.append((len(tokens), k))
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                            "connection refused")
-            return await super().propose(session_id, tokens, k, threshold, sampling)
+            return await super().propose(session_id, tokens, k, threshold, sampling, yield_cores)
 
     draft = Dies(reference, set())
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=True)
@@ -197,8 +199,8 @@ async def test_sampling_requests_do_not_overlap(engine, reference):
                               sampling=sm.Sampling(temperature=0.8, seed=3))
 
     class Dist(ScriptedDraft):
-        async def propose(self, *args):
-            p = await super().propose(*args)
+        async def propose(self, *args, **kwargs):
+            p = await super().propose(*args, **kwargs)
             p.distributions = [([t], [1.0]) for t in p.tokens]
             return p
 
@@ -308,7 +310,7 @@ def test_a_failing_catch_up_costs_drafts_not_the_request(engine):
     import grpc
 
     class Down(LongPromptDraft):
-        async def propose(self, session_id, tokens, k, threshold, sampling):
+        async def propose(self, session_id, tokens, k, threshold, sampling, yield_cores=False):
             self.calls.append((len(tokens), k))
             await asyncio.sleep(0.03)
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
@@ -321,3 +323,27 @@ def test_a_failing_catch_up_costs_drafts_not_the_request(engine):
     assert draft.calls == [(len(LONG_PROMPT), 1)]  # one catch-up; after its failure no Propose for 1 s
     assert stats.draft_catch_ups == 1 and stats.draft_fallbacks == 1
     assert all(s.k == 0 for s in steps)
+
+
+@pytest.mark.parametrize("overlap, in_progress, shared_host", [
+    (True, 1, True), (False, 1, True), (False, 2, True), (True, 1, False)])
+def test_a_propose_yields_cores_only_while_the_target_computes_on_its_host(engine, reference, overlap, in_progress,
+                                                                          shared_host):
+    """Alternating and alone, the target idles while the draft drafts: that Propose may use every
+    core. A pre-draft runs beside a Verify and other streams' Verifies run beside any Propose: those
+    leave the target its cores, on a shared host only."""
+    draft = ScriptedDraft(reference, {len(PROMPT) + 5})
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=overlap)
+    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 3, 8), shared_host,
+                                   in_progress=in_progress))
+    assert [t for s in steps for t in s.tokens] == reference[:N]
+    assert len(draft.yield_cores) == len(draft.calls) > 1
+    if not shared_host:
+        assert not any(draft.yield_cores)
+    elif overlap:
+        # the first block's Propose runs alone; every later call is a pre-draft beside a Verify, or a
+        # fresh draft after a dropped one
+        assert draft.yield_cores[0] is False and stats.predrafted > 0
+        assert draft.yield_cores.count(True) == stats.predrafted + stats.predrafts_dropped
+    else:
+        assert draft.yield_cores == [in_progress > 1] * len(draft.calls)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
 from specdec import sampling as sm
-from specdec.engine import CachedCausalLM, ForwardRequest, ModelInfo, eos_ids
+from specdec.engine import CachedCausalLM, ForwardRequest, ModelInfo, eos_ids, torch_threads
 from specdec.models import LoadedModel, load_hf, tokenizer_fingerprint
 from specdec.scheduler import StepResult
 from specdec.sessions import SessionStore
@@ -13,8 +13,10 @@ from specdec.sessions import SessionStore
 class TransformersProposer(Proposer):
     backend = "transformers"
 
-    def __init__(self, loaded: LoadedModel, store: SessionStore, max_draft_tokens: int) -> None:
+    def __init__(self, loaded: LoadedModel, store: SessionStore, max_draft_tokens: int,
+                 overlap_threads: int = 0) -> None:
         super().__init__(store, max_draft_tokens)
+        self.overlap_threads = overlap_threads  # torch threads of a step that yields cores (0: all)
         self.loaded = loaded
         self.lm = CachedCausalLM(loaded.model, store)
         config = loaded.model.config
@@ -36,7 +38,7 @@ class TransformersProposer(Proposer):
     def from_settings(cls, settings) -> TransformersProposer:
         loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
         store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
-        return cls(loaded, store, settings.max_draft_tokens)
+        return cls(loaded, store, settings.max_draft_tokens, settings.overlap_threads)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -64,9 +66,10 @@ class TransformersProposer(Proposer):
             greedy = [n for n, i in enumerate(active) if jobs[i].sampling.greedy]
             groups = ([greedy] if greedy else []) + [[n] for n, i in enumerate(active) if not jobs[i].sampling.greedy]
             results: list = [None] * len(active)
-            for group in groups:
-                for n, result in zip(group, self.lm.forward_batch([requests[n] for n in group]), strict=True):
-                    results[n] = result
+            with torch_threads(self.overlap_threads if any(jobs[i].yield_cores for i in active) else 0):
+                for group in groups:
+                    for n, result in zip(group, self.lm.forward_batch([requests[n] for n in group]), strict=True):
+                        results[n] = result
         sessions = sum(1 for r in results if not isinstance(r, BaseException))
         rows = sum(r.rows for r in results if not isinstance(r, BaseException))
         for i, result in zip(active, results, strict=True):

@@ -19,6 +19,7 @@ from specdec import sampling as sm
 from specdec.engine import ModelInfo
 from specdec.errors import ResourceExhausted
 from specdec.models import gguf_tokenizer_fingerprint, resolve_gguf
+from specdec.runtime import available_cores
 from specdec.scheduler import StepResult
 from specdec.sessions import Session, SessionStore, common_prefix_len
 
@@ -29,7 +30,7 @@ class LlamaCppProposer(Proposer):
     backend = "llamacpp"
 
     def __init__(self, model_path: str, max_sessions: int, kv_budget_bytes: int, ttl_s: float,
-                 max_draft_tokens: int, threads: int = 0, n_batch: int = 512) -> None:
+                 max_draft_tokens: int, threads: int = 0, n_batch: int = 512, overlap_threads: int = 1) -> None:
         import llama_cpp
         from llama_cpp import _internals as internals
         from llama_cpp import _logger as llama_logger
@@ -63,10 +64,15 @@ class LlamaCppProposer(Proposer):
         params.n_seq_max = slots
         params.kv_unified = True  # sessions share one pool; any one may grow to the whole of it
         params.no_perf = True
-        # 0 means one thread: on the 2-core machines measured, one llama.cpp thread decoded a token
-        # of the embedded draft in 12.7 ms and two threads in 24 ms (barrier-synchronised threads
-        # on shared cores); set threads explicitly on bigger machines.
-        nthreads = threads or 1
+        # 0 means every core this process may use. A step of a Propose that yields cores (the
+        # target computes on this host meanwhile) runs on overlap_threads instead. On the 2-core
+        # machines measured, the embedded draft decoded a token in 8.5-12 ms on two threads and
+        # 13-18 ms on one, with the cores to itself; next to a busy target two threads would wait
+        # for each other at every op's barrier.
+        nthreads = threads or available_cores()
+        self.threads = nthreads
+        self.overlap_threads = min(overlap_threads, nthreads) if overlap_threads else nthreads
+        self._threads_now = nthreads
         params.n_threads = nthreads
         params.n_threads_batch = nthreads
         self._ctx = internals.LlamaContext(model=self._model, params=params, verbose=False)
@@ -93,13 +99,14 @@ class LlamaCppProposer(Proposer):
             max_draft_tokens=max_draft_tokens,
             eos_token_ids=sorted(self._eos),
         )
-        logger.info("llama.cpp: %d threads, KV pool %d tokens in %d slots (%d B/token)",
-                    nthreads, pool, slots, self.bytes_per_token)
+        logger.info("llama.cpp: %d threads (%d when yielding cores to the target), KV pool %d tokens in %d slots "
+                    "(%d B/token)", nthreads, self.overlap_threads, pool, slots, self.bytes_per_token)
 
     @classmethod
     def from_settings(cls, settings) -> LlamaCppProposer:
         return cls(str(resolve_gguf(settings.model)), settings.max_sessions, settings.kv_budget_bytes,
-                   settings.session_ttl_s, settings.max_draft_tokens, settings.threads)
+                   settings.session_ttl_s, settings.max_draft_tokens, settings.threads,
+                   overlap_threads=settings.overlap_threads)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -153,6 +160,7 @@ class LlamaCppProposer(Proposer):
                 used += new
             if not plan:
                 return StepResult(outcomes)
+            self._use_threads(self.overlap_threads if any(jobs[p[0]].yield_cores for p in plan) else self.threads)
             try:
                 logits = self._decode_groups(plan, jobs)
             except BaseException as exc:
@@ -170,6 +178,11 @@ class LlamaCppProposer(Proposer):
                 if job.advance(sm.probabilities(row, job.sampling), self._eos, len(plan)):
                     outcomes[i] = job.proposal()
         return StepResult(outcomes, len(plan), used)
+
+    def _use_threads(self, n: int) -> None:
+        if n != self._threads_now:  # a field of the context: switching costs nothing measurable
+            self._ll.llama_set_n_threads(self._ctx.ctx, n, n)
+            self._threads_now = n
 
     def _decode_groups(self, plan: list[tuple[int, Session, list[int], int]], jobs: list[ProposeJob]) -> list[torch.Tensor]:
         """Greedy jobs share one decode; each sampling job is decoded on its own. llama.cpp's batched

@@ -43,20 +43,22 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "tokens", "max_draft_tokens", "confidence_threshold", "sampling", "return_distributions")
+    __slots__ = ("session_id", "tokens", "max_draft_tokens", "confidence_threshold", "sampling", "return_distributions", "yield_cores")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    YIELD_CORES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     max_draft_tokens: int
     confidence_threshold: float
     sampling: SamplingParams
     return_distributions: bool
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., confidence_threshold: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_distributions: _Optional[bool] = ...) -> None: ...
+    yield_cores: bool
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., confidence_threshold: _Optional[float] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_distributions: _Optional[bool] = ..., yield_cores: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("draft_tokens", "confidences", "stop_reason", "distributions", "cached_tokens", "compute_ns", "batch_sessions", "steps", "queue_ns", "step_cpu_ns")
