@@ -8,7 +8,9 @@ step of B sessions costs about as much as a target pass of B rows, a draft token
 than a target one and plain decoding wins. Each session has ``--context`` tokens cached first
 (random ids, the same for every mode); every figure is the median of ``--repeats`` steps.
 The services set the same thread counts (target: all cores, with the bounded OpenMP spin;
-draft: llama.cpp on one thread), so the figures match what they pay per step.
+draft: llama.cpp on one thread, as when it yields cores to a busy target), so the figures match
+what they pay per step under load. ``--kernels onednn mkl`` also times the target's passes with
+MKL alone (the kernel before oneDNN took over verify-sized passes), interleaved with oneDNN's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from evaluation import report
 
 logger = logging.getLogger("evaluation.batchcost")
 
+KERNELS = ("onednn", "mkl")
+ONEDNN_MIN_ROWS = 5  # specdec.engine.ONEDNN_MIN_ROWS (not imported here: that would import torch first)
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m evaluation.batchcost", description=__doc__.split("\n\n")[0],
@@ -38,6 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="steps measured per point (default 7)")
     p.add_argument("--target", default="embedded", help="target model (default the embedded one)")
     p.add_argument("--draft", default="embedded", help="draft GGUF for llama.cpp (default the embedded one)")
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=["onednn"],
+                   help="target linear kernels to compare, interleaved: onednn (the service's: oneDNN from "
+                        f"{ONEDNN_MIN_ROWS} rows, MKL below) and mkl (MKL at any row count); default onednn")
     p.add_argument("--out", type=Path, default=None, help="output folder (default evaluation/results/batchcost-<timestamp>/)")
     return p.parse_args(argv)
 
@@ -46,7 +54,7 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 20000) for _ in range(n)]
 
 
-def target_costs(args: argparse.Namespace) -> dict[tuple[int, int], float]:
+def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
     from specdec.models import load_hf
     from specdec.sessions import SessionStore
     from specdec.settings import default_cache_dir
@@ -54,6 +62,8 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[int, int], float]:
 
     engine = TargetEngine(load_hf(args.target, "float32", "cpu", default_cache_dir()),
                           SessionStore(512, 8 << 30, 0), max_draft_tokens=32)
+    fast = engine.lm.fast_linears
+    min_rows = {"onednn": fast.onednn_min_rows, "mkl": 1 << 30}
     rng = random.Random(0)
     out = {}
     for q in args.rows:
@@ -61,17 +71,22 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[int, int], float]:
             seqs = [_ids(rng, args.context) for _ in range(b)]
             for i, s in enumerate(seqs):
                 engine.verify(f"t{q}-{b}-{i}", s)
-            times = []
+            times: dict[str, list[float]] = {k: [] for k in args.kernels}
             for _ in range(args.repeats):
-                # each step: the session's next token (uncached) plus q - 1 draft tokens
-                jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1)) for i, s in enumerate(seqs)]
-                t = time.perf_counter()
-                engine.step(jobs)
-                times.append((time.perf_counter() - t) * 1e3)
+                for kernel in args.kernels:  # interleaved, so drift of the machine hits each alike
+                    fast.onednn_min_rows = min_rows[kernel]
+                    # each step: the session's next token (uncached) plus q - 1 draft tokens
+                    jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1))
+                            for i, s in enumerate(seqs)]
+                    t = time.perf_counter()
+                    engine.step(jobs)
+                    times[kernel].append((time.perf_counter() - t) * 1e3)
             for i in range(b):
                 engine.release(f"t{q}-{b}-{i}")
-            out[(b, q)] = statistics.median(times)
-            logger.info("target: %d sessions × %d rows: %.1f ms", b, q, out[(b, q)])
+            for kernel in args.kernels:
+                out[(kernel, b, q)] = statistics.median(times[kernel])
+                logger.info("target (%s): %d sessions × %d rows: %.1f ms", kernel, b, q, out[(kernel, b, q)])
+    fast.onednn_min_rows = min_rows["onednn"]
     return out
 
 
@@ -79,7 +94,8 @@ def draft_costs(args: argparse.Namespace) -> dict[int, float]:
     from draft_service.backends.llamacpp import LlamaCppProposer
     from specdec.models import resolve_gguf
 
-    proposer = LlamaCppProposer(str(resolve_gguf(args.draft)), max(args.batches) * 2, 1 << 30, 0, 64)
+    # one thread: what a draft step costs while the target computes on the same cores (under load)
+    proposer = LlamaCppProposer(str(resolve_gguf(args.draft)), max(args.batches) * 2, 1 << 30, 0, 64, threads=1)
     rng = random.Random(1)
     out = {}
     for b in args.batches:
@@ -98,13 +114,17 @@ def draft_costs(args: argparse.Namespace) -> dict[int, float]:
     return out
 
 
-def render(target: dict[tuple[int, int], float], draft: dict[int, float], args: argparse.Namespace) -> str:
-    head = ["sessions B", *(f"target B×{q} (ms)" for q in args.rows), "draft step (ms)",
-            *(f"target per row, q={q} (ms)" for q in args.rows), "draft per session (ms)"]
+def render(target: dict[tuple[str, int, int], float], draft: dict[int, float], args: argparse.Namespace) -> str:
+    def name(kernel: str, what: str) -> str:
+        return what if args.kernels == ["onednn"] else f"{what}, {kernel}"
+
+    cols = [(kernel, q) for kernel in args.kernels for q in args.rows]
+    head = ["sessions B", *(name(k, f"target B×{q} (ms)") for k, q in cols), "draft step (ms)",
+            *(name(k, f"target per row, q={q} (ms)") for k, q in cols), "draft per session (ms)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for b in args.batches:
-        cells = [str(b), *(report.fmt(target[(b, q)]) for q in args.rows), report.fmt(draft[b]),
-                 *(report.fmt(target[(b, q)] / (b * q)) for q in args.rows), report.fmt(draft[b] / b)]
+        cells = [str(b), *(report.fmt(target[(k, b, q)]) for k, q in cols), report.fmt(draft[b]),
+                 *(report.fmt(target[(k, b, q)] / (b * q)) for k, q in cols), report.fmt(draft[b] / b)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -120,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(target, draft, args)
     results: dict[str, Any] = {
         "command": command, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "target_ms": {f"{b}x{q}": ms for (b, q), ms in target.items()}, "draft_step_ms": draft,
+        "target_ms": {f"{kernel}:{b}x{q}": ms for (kernel, b, q), ms in target.items()}, "draft_step_ms": draft,
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(f"# Batched step cost\n\nCommand: `{command}`\n\n{table}\n")

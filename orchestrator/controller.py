@@ -16,6 +16,7 @@ k == 0 means "no draft this step" (a plain decoding step through Verify).
 from __future__ import annotations
 
 import abc
+import bisect
 import math
 import time
 from dataclasses import dataclass
@@ -156,12 +157,61 @@ class LinearFit:
         return 0.0 if slope is None else max(mean_y - slope * mean_x, 0.0)
 
 
+class CostCurve:
+    """Running cost by size (token rows of a forward pass): a weighted running mean per size seen,
+    read between sizes by linear interpolation and beyond them along the nearest segment (slope >= 0).
+
+    A straight line fits a pass's cost badly once the kernel changes with the rows: the target runs
+    1-4 rows through MKL and 5 or more through oneDNN, whose cost grows far more slowly (embedded
+    target, 2 threads: 57 ms for 1 row, ~85 ms for 5, ~99 ms for 9). A line through those points
+    prices every extra draft token at the steep 1-to-5-row slope and picks too short drafts.
+    """
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self._points: dict[int, tuple[float, float]] = {}  # size -> (weight, weighted sum)
+        self.count = 0  # observations so far
+
+    def add(self, x: float, y: float) -> None:
+        self.count += 1
+        key = max(int(round(x)), 0)
+        w, total = self._points.get(key, (0.0, 0.0))
+        self._points[key] = (self.decay * w + 1, self.decay * total + y)
+
+    def _at(self, x: int) -> float:
+        w, total = self._points[x]
+        return total / w
+
+    def predict(self, x: float, default_slope_ratio: float) -> float | None:
+        """None before any point; with a single size seen, each extra unit of x costs
+        ``default_slope_ratio`` of the cost per unit at that size (as :class:`LinearFit`)."""
+        if not self._points:
+            return None
+        xs = sorted(self._points)
+        if len(xs) == 1:
+            x0, y0 = xs[0], self._at(xs[0])
+            slope = default_slope_ratio * y0 / (1 + default_slope_ratio * x0)
+            return max(y0 + slope * (x - x0), 0.1)
+        i = bisect.bisect_left(xs, x)
+        if i < len(xs) and xs[i] == x:
+            return max(self._at(xs[i]), 0.1)
+        lo, hi = (xs[0], xs[1]) if i == 0 else (xs[-2], xs[-1]) if i == len(xs) else (xs[i - 1], xs[i])
+        y_lo, y_hi = self._at(lo), self._at(hi)
+        slope = (y_hi - y_lo) / (hi - lo)
+        if lo <= x <= hi:
+            return max(y_lo + slope * (x - lo), 0.1)
+        # beyond what was measured, from the nearest size: never cheaper for more rows
+        x0, y0 = (hi, y_hi) if x > hi else (lo, y_lo)
+        return max(y0 + max(slope, 0.0) * (x - x0), 0.1)
+
+
 class CostModel:
     """Running estimates of what a step costs, in milliseconds of wall time as the client sees it,
     as functions of the load the model services batch together.
 
     - Verify: one batched forward pass whose cost grows with its token rows R across all sessions
-      in it: verify_ms ~ a + b * R. A request choosing k adds k + 1 rows; the other sessions sharing
+      in it: verify_ms ~ f(R), a :class:`CostCurve` (not a line: the kernels change with R). A
+      request choosing k adds k + 1 rows; the other sessions sharing
       the pass (``verify_sessions``, a running mean of what the target reports) add theirs, so
       with everyone at k the pass has ``verify_sessions * (k + 1)`` rows.
     - Draft: a fixed cost per Propose call (its round trip: large when the draft is on another host)
@@ -191,7 +241,7 @@ class CostModel:
 
     def __init__(self, decay: float = 0.9, share_decay: float = 0.8, shared_host_max_streams: int = 0) -> None:
         self.shared_host_max_streams = shared_host_max_streams
-        self.verify = LinearFit(decay)  # wall ms of Verify by token rows of its forward pass
+        self.verify = CostCurve(decay)  # wall ms of Verify by token rows of its forward pass
         self.draft_step = LinearFit(decay)  # wall ms per draft step (the call's fixed cost aside) by sessions per step
         self.draft_call = LinearFit(decay)  # wall ms of a Propose by tokens proposed: intercept = fixed cost per call
         self.share_decay = share_decay
@@ -199,7 +249,7 @@ class CostModel:
         self.draft_sessions = 1.0  # running mean of sessions per draft step
         # What steps cost the machine: process CPU ms per target pass by rows, per draft step by
         # sessions, and this process's CPU ms per step of any stream.
-        self.verify_cpu = LinearFit(decay)
+        self.verify_cpu = CostCurve(decay)
         self.draft_cpu = LinearFit(decay)
         self.own_cpu_ms = 0.0
         self._own_mark: tuple[float, float, int] | None = None  # (monotonic, process CPU s, steps)

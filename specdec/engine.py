@@ -121,7 +121,8 @@ class _FastLinears:
         self._local = threading.local()
         self.count = 0
         self._onednn = _onednn_linear()
-        self.kernel = "onednn" if self._onednn is not None else "matmul"
+        # oneDNN from this many rows on; a very large value keeps MKL everywhere (for A/B measurements)
+        self.onednn_min_rows = ONEDNN_MIN_ROWS if self._onednn is not None else 1 << 30
         for module in model.modules():
             if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" \
                     and module.weight.dtype == torch.float32:
@@ -139,7 +140,7 @@ class _FastLinears:
         rows = x2.shape[0]
         if rows > FAST_LINEAR_MAX_ROWS or rows == 0 or x2.dtype != torch.float32:
             return stock(x)
-        if self._onednn is not None and rows >= ONEDNN_MIN_ROWS:
+        if rows >= self.onednn_min_rows:
             y = self._onednn(x2.contiguous(), module.weight, module.bias, "none", [], "")
             return y.reshape(*x.shape[:-1], y.shape[-1])
         if rows == 1:
@@ -196,7 +197,7 @@ class CachedCausalLM:
         self.vocab_size = int(model.config.vocab_size)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self._fast = _FastLinears.of(model)
+        self.fast_linears = _FastLinears.of(model)
         self.geometry = kv_geometry(model)
         layers, kv_heads, head_dim = self.geometry
         self.bytes_per_token = 2 * layers * kv_heads * head_dim * param.element_size()
@@ -300,7 +301,7 @@ class CachedCausalLM:
             spans.append((len(keep), want))
             keep.extend(range(offset - want, offset))
         batch = RaggedBatch(segments)
-        with torch.inference_mode(), self._fast.active(), ragged_attention_on(self.model):
+        with torch.inference_mode(), self.fast_linears.active(), ragged_attention_on(self.model):
             out = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
                 position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),

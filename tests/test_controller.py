@@ -7,9 +7,11 @@ import pytest
 from orchestrator.controller import (
     AcceptanceController,
     CostController,
+    CostCurve,
     CostModel,
     FixedController,
     HFController,
+    LinearFit,
     StepObservation,
     expected_tokens,
     make_controller,
@@ -278,4 +280,37 @@ def test_a_predrafted_step_does_not_feed_the_draft_cost():
     before = costs.draft_ms(4)
     c.observe(StepObservation(k=4, proposed=4, accepted=4, draft_ms=500, verify_ms=40, draft_catch_up=0, predrafted=True))
     assert costs.draft_ms(4) == before == pytest.approx(42, rel=0.05)
-    assert costs.verify.w > 4  # the Verify of that step was observed
+    assert costs.verify.count > 4  # the Verify of that step was observed
+
+
+def test_verify_cost_follows_a_curve_not_a_line():
+    """The target's pass is steep from 1 to 5 rows (MKL) and flat beyond (oneDNN): the model reads
+    the measured curve, so long drafts are priced at the flat part's cost, and drafting k = 8
+    beats k = 4 where a line through the same points would say otherwise."""
+    m = CostModel(decay=1.0)
+    measured = {1: 57.0, 5: 85.0, 7: 92.0, 9: 99.0}
+    for rows, ms in measured.items():
+        m.observe_verify(rows - 1, ms)
+    assert m.verify_ms(0) == pytest.approx(57.0) and m.verify_ms(8) == pytest.approx(99.0)
+    assert m.verify_ms(5) == pytest.approx(88.5)  # between 5 and 7 rows
+    assert m.verify_ms(11) == pytest.approx(109.5)  # beyond: along the last segment
+    assert m.verify_ms(1) == pytest.approx(64.0)  # between 1 and 5 rows
+    line = LinearFit(1.0)
+    for rows, ms in measured.items():
+        line.add(rows, ms)
+    assert line.predict(9, 0.1) - line.predict(5, 0.1) > 1.5 * (m.verify_ms(8) - m.verify_ms(4))
+    for k in (2, 4, 8):
+        m.observe_draft(k, 8.0 * k)
+    c = CostController(4, 8, m)
+    c.successes, c.failures = 95.0, 5.0
+    assert c.next_k() == 8
+
+
+def test_a_cost_curve_never_gets_cheaper_beyond_what_it_measured():
+    curve = CostCurve(1.0)
+    curve.add(4, 80.0)
+    curve.add(5, 70.0)  # noise: 5 rows measured cheaper than 4
+    assert curve.predict(9, 0.1) == pytest.approx(70.0)
+    assert curve.predict(4.5, 0.1) == pytest.approx(75.0)
+    assert curve.predict(1, 0.1) == pytest.approx(80.0)  # nor more expensive for fewer
+    assert CostCurve(1.0).predict(3, 0.1) is None

@@ -278,9 +278,9 @@ def test_batchcost_measures_both_engines(tmp_path):
     from evaluation import batchcost
 
     assert batchcost.main(["--batches", "1,3", "--rows", "1,2", "--repeats", "2", "--context", "32",
-                           "--out", str(tmp_path)]) == 0
+                           "--kernels", "onednn", "mkl", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["target_ms"]) == {"1x1", "3x1", "1x2", "3x2"}
+    assert set(results["target_ms"]) == {f"{k}:{b}x{q}" for k in ("onednn", "mkl") for b in (1, 3) for q in (1, 2)}
     assert set(results["draft_step_ms"]) == {"1", "3"}
     assert all(v > 0 for v in results["target_ms"].values())
     assert results["draft_step_ms"]["3"] > results["draft_step_ms"]["1"] * 0.8
