@@ -17,14 +17,6 @@ logger = logging.getLogger(__name__)
 SPIN_COUNT = 20_000
 
 
-def available_cores() -> int:
-    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def configure_torch(threads: int, passive_wait: bool = False, spin_count: int | None = None) -> None:
     """Set torch's intra-op threads (0 keeps torch's default: one per core).
 

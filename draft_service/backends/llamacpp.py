@@ -19,7 +19,7 @@ from specdec import sampling as sm
 from specdec.engine import ModelInfo
 from specdec.errors import ResourceExhausted
 from specdec.models import gguf_tokenizer_fingerprint, resolve_gguf
-from specdec.runtime import available_cores
+from specdec.runtime import cpu_cores
 from specdec.scheduler import StepResult
 from specdec.sessions import Session, SessionStore, common_prefix_len
 
@@ -64,12 +64,12 @@ class LlamaCppProposer(Proposer):
         params.n_seq_max = slots
         params.kv_unified = True  # sessions share one pool; any one may grow to the whole of it
         params.no_perf = True
-        # 0 means every core this process may use. A step of a Propose that yields cores (the
+        # 0 means every whole core this process may use (its affinity and CPU quota). A step of a Propose that yields cores (the
         # target computes on this host meanwhile) runs on overlap_threads instead. On the 2-core
         # machines measured, the embedded draft decoded a token in 8.5-12 ms on two threads and
         # 13-18 ms on one, with the cores to itself; next to a busy target two threads would wait
         # for each other at every op's barrier.
-        nthreads = threads or available_cores()
+        nthreads = threads or max(1, int(cpu_cores()))
         self.threads = nthreads
         self.overlap_threads = min(overlap_threads, nthreads) if overlap_threads else nthreads
         self._threads_now = nthreads
