@@ -249,3 +249,47 @@ def test_verify_with_yield_cores_runs_on_the_overlap_threads(tiny_models):
     finally:
         torch.set_num_threads(before)
         server.stop(0)
+
+
+def test_propose_with_yield_cores_runs_on_the_draft_overlap_threads(tiny_models):
+    """ProposeRequest.yield_cores reaches the draft backend: those steps run on overlap_threads,
+    the next call's on all threads, and the draft is the same either way."""
+    import torch
+
+    proposer = TransformersProposer(load_hf(tiny_models["llama-draft"]), SessionStore(4, 1 << 30, 0), 8,
+                                    overlap_threads=1)
+    seen: list[int] = []
+    forward = proposer.lm.forward_batch
+    proposer.lm.forward_batch = lambda requests: (seen.append(torch.get_num_threads()), forward(requests))[1]
+    server, port, _ = build_draft(proposer, "127.0.0.1:0")
+    server.start()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.DraftServiceStub(channel)
+            a = stub.Propose(pb.ProposeRequest(session_id="y", tokens=[7, 3, 12], max_draft_tokens=3, yield_cores=True))
+            b = stub.Propose(pb.ProposeRequest(session_id="z", tokens=[7, 3, 12], max_draft_tokens=3))
+        assert seen == [1] * len(a.draft_tokens) + [2] * len(b.draft_tokens)
+        assert list(a.draft_tokens) == list(b.draft_tokens) and len(a.draft_tokens) >= 1
+    finally:
+        torch.set_num_threads(before)
+        server.stop(0)
+
+
+@pytest.mark.embedded
+def test_llamacpp_yields_cores_only_when_asked():
+    """The llama.cpp draft decodes on all its threads, and on overlap_threads for a job that yields
+    cores; greedy drafts are the same on either (each dot product stays on one thread)."""
+    from draft_service.backends.llamacpp import LlamaCppProposer
+    from specdec.models import embedded_gguf_path
+
+    proposer = LlamaCppProposer(str(embedded_gguf_path()), 4, 64 << 20, 0, 16, threads=2, overlap_threads=1)
+    used: list[int] = []
+    decode = proposer._decode_groups
+    proposer._decode_groups = lambda plan, jobs: (used.append(proposer._threads_now), decode(plan, jobs))[1]
+    prompt = [504, 1296, 3003, 4683, 359]
+    shared = proposer.propose("a", prompt, 4, yield_cores=True)
+    alone = proposer.propose("b", prompt, 4)
+    assert used == [1] * len(shared.tokens) + [2] * len(alone.tokens)
+    assert shared.tokens == alone.tokens and len(alone.tokens) == 4
