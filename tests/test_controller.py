@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from orchestrator.controller import (
@@ -256,13 +258,14 @@ def test_a_far_draft_costs_a_round_trip_per_call_not_per_token(rtt_ms):
     costs = CostModel()
     c = CostController(4, 8, costs)
     chosen = []
-    for step in range(60):
+    rng = random.Random(rtt_ms)
+    for _ in range(60):
         k = c.next_k()
         chosen.append(k)
         if k == 0:
             c.observe(StepObservation(k=0, proposed=0, accepted=0, draft_ms=0, verify_ms=37, draft_catch_up=0))
             continue
-        accepted = k if step % 4 else k - 1  # ~94 % per token
+        accepted = next((j for j in range(k) if rng.random() > 0.94), k)  # 94 % per token
         c.observe(StepObservation(k=k, proposed=k, accepted=accepted, draft_ms=rtt_ms + 2 + 10.5 * k,
                                   verify_ms=37 + 4.5 * k, draft_catch_up=1))
     assert costs.draft_ms(4) == pytest.approx(rtt_ms + 2 + 42, rel=0.1)
@@ -314,3 +317,23 @@ def test_a_cost_curve_never_gets_cheaper_beyond_what_it_measured():
     assert curve.predict(4.5, 0.1) == pytest.approx(75.0)
     assert curve.predict(1, 0.1) == pytest.approx(80.0)  # nor more expensive for fewer
     assert CostCurve(1.0).predict(3, 0.1) is None
+
+
+def test_position_acceptance_prices_long_drafts_that_survive_their_hard_tokens():
+    """Drafts fail at their first or second token now and then and otherwise run through: per-step
+    alpha (accepted / (accepted + rejections)) is ~0.8, which prices an 8th token at 0.17 tokens,
+    but a draft that got past position 2 is always accepted. The per-position estimate sees that and
+    drafts long; the geometric one would stop at 2-3."""
+    costs = CostModel(decay=1.0)
+    for rows, ms in {1: 57.0, 3: 62.0, 5: 85.0, 9: 99.0}.items():
+        costs.observe_verify(rows - 1, ms)
+    for k in (2, 4, 8):
+        costs.observe_draft(k, 2 + 8.0 * k)
+    c = CostController(8, 8, costs)
+    for step in range(40):
+        accepted = 0 if step % 3 == 0 else 1 if step % 3 == 1 else 8
+        c.observe(StepObservation(k=8, proposed=8, accepted=accepted, draft_ms=66, verify_ms=99))
+    assert c.alpha < 0.85
+    assert c.acceptance_at(1) == c.alpha and c.acceptance_at(5) > 0.95
+    geometric = max(range(9), key=lambda k: expected_tokens(c.alpha, k) / costs.round_ms(k))
+    assert geometric <= 3 and c.next_k() == 8
