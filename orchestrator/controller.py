@@ -238,12 +238,18 @@ class CostModel:
     """
 
     MAX_CATCH_UP = 3  # tokens a draft processes besides its own in steady state: 1-2
+    # A draft cost not confirmed by any Propose for this long is forgotten (the controller then
+    # explores again). Without this, one burst of slow Proposes (another process briefly taking
+    # the cores) could price drafting out for good: once k = 0 wins, no request drafts again, the
+    # draft falls behind, and probes of a draft that is behind never reach the fit (catch-up).
+    DRAFT_COST_TTL_S = 20.0
 
     def __init__(self, decay: float = 0.9, share_decay: float = 0.8, shared_host_max_streams: int = 0) -> None:
         self.shared_host_max_streams = shared_host_max_streams
         self.verify = CostCurve(decay)  # wall ms of Verify by token rows of its forward pass
         self.draft_step = LinearFit(decay)  # wall ms per draft step (the call's fixed cost aside) by sessions per step
         self.draft_call = LinearFit(decay)  # wall ms of a Propose by tokens proposed: intercept = fixed cost per call
+        self.draft_measured_at = -math.inf  # time.monotonic() of the last Propose in the draft fit
         self.share_decay = share_decay
         self.verify_sessions = 1.0  # running mean of sessions per verify pass
         self.draft_sessions = 1.0  # running mean of sessions per draft step
@@ -290,6 +296,10 @@ class CostModel:
         d = self.share_decay
         self.draft_sessions = d * self.draft_sessions + (1 - d) * max(sessions, 1.0)
         if catch_up <= self.MAX_CATCH_UP:
+            now = time.monotonic()
+            if now - self.draft_measured_at > self.DRAFT_COST_TTL_S:  # stale: measure afresh
+                self.draft_call, self.draft_step = LinearFit(self.draft_call.decay), LinearFit(self.draft_step.decay)
+            self.draft_measured_at = now
             self.draft_call.add(proposed, ms)
             fixed = min(self.draft_call.intercept(), 0.9 * ms)
             self.draft_step.add(max(sessions, 1.0), (ms - fixed) / proposed)
@@ -314,8 +324,11 @@ class CostModel:
         return self.verify.predict(self.verify_sessions * (k + 1), 0.1)
 
     def draft_ms(self, k: int) -> float | None:
+        """Expected wall ms of a Propose of k tokens; None while unknown (or stale)."""
         if k == 0:
             return 0.0
+        if time.monotonic() - self.draft_measured_at > self.DRAFT_COST_TTL_S:
+            return None
         step = self.draft_step.predict(self.draft_sessions, 0.2)
         return None if step is None else self.draft_call.intercept() + k * step
 

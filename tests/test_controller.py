@@ -337,3 +337,24 @@ def test_position_acceptance_prices_long_drafts_that_survive_their_hard_tokens()
     assert c.acceptance_at(1) == c.alpha and c.acceptance_at(5) > 0.95
     geometric = max(range(9), key=lambda k: expected_tokens(c.alpha, k) / costs.round_ms(k))
     assert geometric <= 3 and c.next_k() == 8
+
+
+def test_a_stale_draft_cost_is_explored_again(monkeypatch):
+    """A burst of slow Proposes priced drafting out (k = 0); no Propose confirms the cost after
+    that, so once it is older than DRAFT_COST_TTL_S the controller drafts again to re-measure."""
+    import time as _time
+
+    now = [1000.0]
+    monkeypatch.setattr(_time, "monotonic", lambda: now[0])
+    costs = CostModel(decay=1.0)
+    c = CostController(4, 8, costs, probe_every=1000)
+    for k in (2, 4, 6):  # the draft looked as dear as 60 ms a token
+        c.observe(StepObservation(k=k, proposed=k, accepted=k, draft_ms=60.0 * k, verify_ms=40 + 2.0 * k))
+    assert c.next_k() == 0
+    now[0] += CostModel.DRAFT_COST_TTL_S / 2
+    assert c.next_k() == 0
+    now[0] += CostModel.DRAFT_COST_TTL_S
+    assert costs.draft_ms(4) is None and c.next_k() >= 1
+    c.observe(StepObservation(k=4, proposed=4, accepted=4, draft_ms=4 * 8.0, verify_ms=48))
+    # the stale fits were dropped: the new measurement alone prices the draft
+    assert costs.draft_ms(4) == pytest.approx(32.0, rel=0.01) and c.next_k() >= 4

@@ -285,3 +285,20 @@ def test_batchcost_measures_both_engines(tmp_path):
     assert all(v > 0 for v in results["target_ms"].values())
     assert results["draft_step_ms"]["3"] > results["draft_step_ms"]["1"] * 0.8
     assert "| 3 |" in (tmp_path / "results.md").read_text()
+
+
+def test_lookup_walk_counts_what_prompt_lookup_would_land():
+    """The walk proposes what followed the last occurrence of the suffix n-gram, advances past the
+    accepted tokens plus the target's own, and counts lookups that found nothing as passes too."""
+    from evaluation.lookup import walk
+
+    # prompt 1 2 3 4; output 1 2 3 9: at "4" nothing matches (one plain pass, token 1); at "4 1"
+    # the 1-gram "1" matches position 0 and proposes 2 3 4 ..., of which 2 3 land, then 9 is the
+    # target's own token
+    c = walk([1, 2, 3, 4, 1, 2, 3, 9], start=4, k=4, min_ngram=1, max_ngram=3)
+    assert (c.positions, c.matched, c.accepted) == (2, 1, 2)
+    # with bigrams at least, "4 1" is no match (a plain pass, token 2); then "1 2" proposes 3 4 1 2,
+    # of which 3 lands
+    c = walk([1, 2, 3, 4, 1, 2, 3, 9], start=4, k=4, min_ngram=2, max_ngram=3)
+    assert (c.positions, c.matched, c.accepted) == (3, 1, 1)
+    assert walk([5, 6, 7], start=1, k=4, min_ngram=2, max_ngram=3).matched == 0
