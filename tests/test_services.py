@@ -3,6 +3,8 @@ status code, eviction under a small budget, Release."""
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -227,54 +229,48 @@ def test_grpcurl_lists_describes_and_calls(draft_addr, target_addr):
     assert health["status"] == "SERVING"
 
 
-def test_verify_with_yield_cores_runs_on_the_overlap_threads(tiny_models):
-    """VerifyRequest.yield_cores reaches the engine: that pass runs on overlap_threads, the next on all."""
+@contextlib.contextmanager
+def serving_on_two_threads(build, engine, lm):
+    """A real server for ``engine`` on torch's 2 threads; yields (channel, threads of each forward)."""
     import torch
 
-    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(4, 1 << 30, 0), max_draft_tokens=8,
-                          overlap_threads=1)
     seen: list[int] = []
-    forward = engine.lm.forward_batch
-    engine.lm.forward_batch = lambda requests: (seen.append(torch.get_num_threads()), forward(requests))[1]
-    server, port, _ = build_target(engine, "127.0.0.1:0")
+    forward = lm.forward_batch
+    lm.forward_batch = lambda requests: (seen.append(torch.get_num_threads()), forward(requests))[1]
+    server, port, _ = build(engine, "127.0.0.1:0")
     server.start()
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.TargetServiceStub(channel)
-            a = stub.Verify(pb.VerifyRequest(session_id="y", tokens=[7, 3, 12], draft_tokens=[5, 9], yield_cores=True))
-            b = stub.Verify(pb.VerifyRequest(session_id="y", tokens=[7, 3, 12], draft_tokens=[5, 9]))
-        assert seen == [1, 2] and (a.num_accepted, a.next_token) == (b.num_accepted, b.next_token)
+            yield channel, seen
     finally:
         torch.set_num_threads(before)
         server.stop(0)
+
+
+def test_verify_with_yield_cores_runs_on_the_overlap_threads(tiny_models):
+    """VerifyRequest.yield_cores reaches the engine: that pass runs on overlap_threads, the next on all."""
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(4, 1 << 30, 0), max_draft_tokens=8,
+                          overlap_threads=1)
+    with serving_on_two_threads(build_target, engine, engine.lm) as (channel, seen):
+        stub = pb_grpc.TargetServiceStub(channel)
+        a = stub.Verify(pb.VerifyRequest(session_id="y", tokens=[7, 3, 12], draft_tokens=[5, 9], yield_cores=True))
+        b = stub.Verify(pb.VerifyRequest(session_id="y", tokens=[7, 3, 12], draft_tokens=[5, 9]))
+    assert seen == [1, 2] and (a.num_accepted, a.next_token) == (b.num_accepted, b.next_token)
 
 
 def test_propose_with_yield_cores_runs_on_the_draft_overlap_threads(tiny_models):
     """ProposeRequest.yield_cores reaches the draft backend: those steps run on overlap_threads,
     the next call's on all threads, and the draft is the same either way."""
-    import torch
-
     proposer = TransformersProposer(load_hf(tiny_models["llama-draft"]), SessionStore(4, 1 << 30, 0), 8,
                                     overlap_threads=1)
-    seen: list[int] = []
-    forward = proposer.lm.forward_batch
-    proposer.lm.forward_batch = lambda requests: (seen.append(torch.get_num_threads()), forward(requests))[1]
-    server, port, _ = build_draft(proposer, "127.0.0.1:0")
-    server.start()
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.DraftServiceStub(channel)
-            a = stub.Propose(pb.ProposeRequest(session_id="y", tokens=[7, 3, 12], max_draft_tokens=3, yield_cores=True))
-            b = stub.Propose(pb.ProposeRequest(session_id="z", tokens=[7, 3, 12], max_draft_tokens=3))
-        assert seen == [1] * len(a.draft_tokens) + [2] * len(b.draft_tokens)
-        assert list(a.draft_tokens) == list(b.draft_tokens) and len(a.draft_tokens) >= 1
-    finally:
-        torch.set_num_threads(before)
-        server.stop(0)
+    with serving_on_two_threads(build_draft, proposer, proposer.lm) as (channel, seen):
+        stub = pb_grpc.DraftServiceStub(channel)
+        a = stub.Propose(pb.ProposeRequest(session_id="y", tokens=[7, 3, 12], max_draft_tokens=3, yield_cores=True))
+        b = stub.Propose(pb.ProposeRequest(session_id="z", tokens=[7, 3, 12], max_draft_tokens=3))
+    assert seen == [1] * len(a.draft_tokens) + [2] * len(b.draft_tokens)
+    assert list(a.draft_tokens) == list(b.draft_tokens) and len(a.draft_tokens) >= 1
 
 
 @pytest.mark.embedded
