@@ -64,11 +64,12 @@ class LlamaCppProposer(Proposer):
         params.n_seq_max = slots
         params.kv_unified = True  # sessions share one pool; any one may grow to the whole of it
         params.no_perf = True
-        # 0 means every whole core this process may use (its affinity and CPU quota). A step of a Propose that yields cores (the
-        # target computes on this host meanwhile) runs on overlap_threads instead. On the 2-core
-        # machines measured, the embedded draft decoded a token in 8.5-12 ms on two threads and
-        # 13-18 ms on one, with the cores to itself; next to a busy target two threads would wait
-        # for each other at every op's barrier.
+        # 0 means every whole core this process may use (its affinity and CPU quota). The steps of a
+        # Propose that yields cores (the target computes on this host meanwhile) run on
+        # overlap_threads instead. On the 2-core machines measured, the embedded draft decoded a
+        # token in 8.5-12 ms on two threads and 13-18 ms on one with the cores to itself (with the
+        # OpenMP spin bounded, not passive: see draft_service.__main__); next to a busy target, two
+        # threads would wait for each other at every op's barrier.
         nthreads = threads or max(1, int(cpu_cores()))
         self.threads = nthreads
         self.overlap_threads = min(overlap_threads, nthreads) if overlap_threads else nthreads
