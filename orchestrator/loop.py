@@ -333,13 +333,15 @@ async def generate(
             #     one-token Propose whose answer only fills its cache, while the steps go on plainly.
             #     Greedy only: the plain steps it causes depend on timing, and a seeded sample
             #     depends on the k schedule (greedy output never does).
+            catch_up_error = ""
             if catching_up is not None:
                 if catching_up.done():
                     try:
                         catching_up.result()
                         draft_health.succeeded()
                     except grpc.aio.AioRpcError as exc:
-                        draft_failed(exc)
+                        # reported with this step, which runs without a draft because of it
+                        catch_up_error = draft_failed(exc)
                         k = 0  # the draft is down (or refused this input): no Propose right after
                     except asyncio.CancelledError:
                         pass
@@ -360,7 +362,7 @@ async def generate(
             K_CHOSEN.observe(max(k, 0))
             # 2. Fetch the draft (a failure only costs this step its draft): the pre-draft when the
             #    last step left one, else a Propose now.
-            proposal, draft_error, draft_ms = None, "", 0.0
+            proposal, draft_error, draft_ms = None, catch_up_error, 0.0
             predrafted = ready is not None and k > 0
             if predrafted:
                 proposal = _tokens(ready, 0, k)

@@ -323,6 +323,8 @@ def test_a_failing_catch_up_costs_drafts_not_the_request(engine):
     assert draft.calls == [(len(LONG_PROMPT), 1)]  # one catch-up; after its failure no Propose for 1 s
     assert stats.draft_catch_ups == 1 and stats.draft_fallbacks == 1
     assert all(s.k == 0 for s in steps)
+    # the step that learnt of the failure reports it, as any step that lost its draft does
+    assert [s.draft_error for s in steps if s.draft_error] == ["UNAVAILABLE: down"]
 
 
 @pytest.mark.parametrize("overlap, in_progress, shared_host", [
