@@ -6,7 +6,7 @@ import logging
 import time
 
 from draft_service.settings import DraftSettings
-from specdec.runtime import SPIN_COUNT, configure_torch, start_metrics
+from specdec.runtime import configure_torch, start_metrics
 from specdec.scheduler import ComputeThread
 from specdec.server import configure_logging, serve_forever
 
@@ -16,15 +16,9 @@ logger = logging.getLogger("draft_service")
 def main() -> None:
     settings = DraftSettings(_cli_parse_args=True)
     configure_logging(settings.log_level)
-    if settings.backend == "transformers":
-        configure_torch(settings.threads)
-    else:
-        # torch only samples between llama.cpp decodes (or not at all): one thread, so it never
-        # has OpenMP workers of its own. llama.cpp's threads are OpenMP threads that meet at a
-        # barrier after every op: OMP_WAIT_POLICY=PASSIVE would put them to sleep at each one
-        # (2 threads: 30 ms per token instead of 8.5), so their spin is bounded instead, as in the
-        # target, to free the cores soon after a decode.
-        configure_torch(1, spin_count=SPIN_COUNT)
+    # With llama.cpp (or n-gram), torch only samples between decodes: one thread, no OpenMP
+    # workers of its own; llama.cpp's threads follow SPECDEC_DRAFT_THREADS (its backend).
+    configure_torch(settings.threads if settings.backend == "transformers" else 1)
     from draft_service.backends import create_proposer
     from draft_service.servicer import build_server
     from specdec.auth import server_security

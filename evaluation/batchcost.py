@@ -29,7 +29,6 @@ from evaluation import report
 logger = logging.getLogger("evaluation.batchcost")
 
 KERNELS = ("onednn", "mkl")
-ONEDNN_MIN_ROWS = 5  # specdec.engine.ONEDNN_MIN_ROWS (not imported here: that would import torch first)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,8 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", default="embedded", help="target model (default the embedded one)")
     p.add_argument("--draft", default="embedded", help="draft GGUF for llama.cpp (default the embedded one)")
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=["onednn"],
-                   help="target linear kernels to compare, interleaved: onednn (the service's: oneDNN from "
-                        f"{ONEDNN_MIN_ROWS} rows, MKL below) and mkl (MKL at any row count); default onednn")
+                   help="target linear kernels to compare, interleaved: onednn (the service's: oneDNN for passes "
+                        "of specdec.engine.ONEDNN_MIN_ROWS rows or more, MKL below) and mkl (MKL at any row count); "
+                        "default onednn")
     p.add_argument("--out", type=Path, default=None, help="output folder (default evaluation/results/batchcost-<timestamp>/)")
     return p.parse_args(argv)
 
@@ -132,9 +132,9 @@ def render(target: dict[tuple[str, int, int], float], draft: dict[int, float], a
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out, command = report.start_run("evaluation.batchcost", argv, args.out, "batchcost-")
-    from specdec.runtime import SPIN_COUNT, configure_torch
+    from specdec.runtime import configure_torch
 
-    configure_torch(0, spin_count=SPIN_COUNT)  # as the target service: all cores, bounded spin
+    configure_torch(0)  # as the target service: all cores, bounded spin
     target = target_costs(args)
     draft = draft_costs(args)
     table = render(target, draft, args)

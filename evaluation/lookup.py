@@ -26,6 +26,9 @@ class LookupCount:
     matched: int = 0  # lookups that found an earlier occurrence of the suffix n-gram
     accepted: int = 0  # proposed tokens the output really continued with
 
+    def __add__(self, other: LookupCount) -> LookupCount:
+        return LookupCount(self.positions + other.positions, self.matched + other.matched, self.accepted + other.accepted)
+
     @property
     def accepted_per_match(self) -> float:
         return self.accepted / self.matched if self.matched else 0.0
@@ -78,12 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| shortest n-gram | target passes | lookups that matched | tokens accepted | accepted per match |")
     print("|---:|---:|---:|---:|---:|")
     for n in args.min_ngram:
-        total = LookupCount()
-        for start, seq in sequences:
-            c = walk(seq, start, args.k, n, max(n, args.max_ngram))
-            total.positions += c.positions
-            total.matched += c.matched
-            total.accepted += c.accepted
+        total = sum((walk(seq, start, args.k, n, max(n, args.max_ngram)) for start, seq in sequences), LookupCount())
         print(f"| {n} | {total.positions} | {total.matched} | {total.accepted} | {total.accepted_per_match:.2f} |")
     return 0
 

@@ -365,14 +365,6 @@ class CostModel:
         return max(verify + draft, self.cpu_round_ms(k))
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Expected tokens per step with per-token acceptance alpha and k draft tokens (accepted
-    draft tokens plus the target's own token): (1 - alpha^(k+1)) / (1 - alpha)."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 class CostController(Controller):
     """Choose k in [0, max_k] maximising expected tokens per step / (draft_ms(k) + verify_ms(k)).
 
@@ -436,20 +428,13 @@ class CostController(Controller):
         alpha = self.alpha
         return max((passed + self.POSITION_PRIOR * alpha) / (reached + self.POSITION_PRIOR), alpha)
 
-    def all_accepted(self, k: int) -> float:
-        """Chance that draft tokens 1..k are all accepted."""
-        p = 1.0
-        for j in range(1, k + 1):
-            p *= self.acceptance_at(j)
-        return p
-
-    def expected_tokens(self, k: int) -> float:
-        """Expected tokens of a step drafting k: accepted draft tokens plus the target's own."""
-        total = p = 1.0
-        for j in range(1, k + 1):
-            p *= self.acceptance_at(j)
-            total += p
-        return total
+    def survival(self, n: int) -> list[float]:
+        """[chance that draft tokens 1..j are all accepted, for j = 0..n] (j = 0: 1). Expected
+        tokens of a step drafting k are ``sum(survival(k))``: the accepted draft plus the target's own."""
+        out = [1.0]
+        for j in range(1, n + 1):
+            out.append(out[-1] * self.acceptance_at(j))
+        return out
 
     def next_k(self) -> int:
         if not self.costs.speculation_allowed():
@@ -457,9 +442,11 @@ class CostController(Controller):
             return 0
         if self.costs.verify_ms(0) is None or self.costs.draft_ms(1) is None:
             return max(self.k, 1)  # explore: we need both costs before comparing
-        rates = {}
+        survival = self.survival(self.max_k + 1)  # once per decision; k + 1 for the overlapped guess
+        rates, tokens = {}, 0.0
         for k in range(0, self.max_k + 1):
-            rates[k] = self.expected_tokens(k) / self.round_ms(k)
+            tokens += survival[k]
+            rates[k] = tokens / self.round_ms(k, survival[k + 1])
         self.last_choice = rates
         best = max(rates, key=rates.get)
         self.probing = False
@@ -472,12 +459,14 @@ class CostController(Controller):
         self.k = best
         return best
 
-    def round_ms(self, k: int) -> float:
-        """Expected milliseconds per step at k, alternating or overlapped (see the class docstring)."""
+    def round_ms(self, k: int, whole_block: float | None = None) -> float:
+        """Expected milliseconds per step at k, alternating or overlapped (see the class docstring);
+        ``whole_block``: the chance that the k draft tokens and the bonus guess are all accepted
+        (default: from the acceptance estimates)."""
         if not self.overlap or k == 0:
             return self.costs.round_ms(k)
         verify, draft, predraft = self.costs.verify_ms(k), self.costs.draft_ms(k), self.costs.draft_ms(k + 1)
-        c = self.all_accepted(k + 1)
+        c = self.survival(k + 1)[-1] if whole_block is None else whole_block
         wall = c * max(verify, predraft) + (1 - c) * (verify + draft)
         return max(wall, self.costs.cpu_round_ms(k))
 

@@ -9,34 +9,27 @@ import sys
 logger = logging.getLogger(__name__)
 
 
-# OpenMP spin iterations before an idle torch thread sleeps (libgomp's default is 300,000).
-# The target and the draft alternate on the same cores: after a Verify, a long spin keeps both
-# cores busy while llama.cpp drafts. Measured through the services (embedded pair, 2 cores,
-# fixed k = 4): default spin 28.6 tok/s (draft 19 ms/token), 20,000 43.6 tok/s (draft 9.5
-# ms/token) with the target's own forward unchanged; much shorter spins slow the target's forward.
+# OpenMP spin iterations before an idle thread sleeps (libgomp's default is 300,000). The target
+# and the draft alternate on the same cores: after a Verify, a long spin keeps both cores busy while
+# the draft drafts. Measured through the services (embedded pair, 2 cores, fixed k = 4): default
+# spin 28.6 tok/s (draft 19 ms/token), 20,000 43.6 tok/s (draft 9.5 ms/token) with the target's own
+# forward unchanged; much shorter spins slow the target's forward. Passive waiting
+# (OMP_WAIT_POLICY=PASSIVE) is worse still for both: it slowed the target's forward from 40 to 67
+# ms (k = 0), and llama.cpp's threads, which libgomp also serves, meet at a barrier after every op
+# and then sleep at each one (2 threads: 29.8 ms per draft token against 8.5 ms with this spin).
 SPIN_COUNT = 20_000
 
 
-def configure_torch(threads: int, passive_wait: bool = False, spin_count: int | None = None) -> None:
-    """Set torch's intra-op threads (0 keeps torch's default: one per core).
-
-    ``passive_wait`` makes torch's OpenMP threads sleep instead of spin between parallel regions
-    (``OMP_WAIT_POLICY=PASSIVE``, unless the environment says otherwise). It is right for a process
-    where torch only does light work between another runtime's heavy compute — the llama.cpp draft
-    service, whose barrier-synchronised threads stalled behind spinning OpenMP threads (Propose of
-    4-6 tokens measured at 1-3 s instead of ~0.1 s). It is wrong for the target, whose own forward
-    passes it slowed from 40 to 67 ms (k = 0) and from 60 to 137 ms (k = 4) on 2 threads. libgomp
-    reads the variable when torch is first imported, so this must run before anything imports torch.
-
-    ``spin_count`` bounds the spinning instead (``GOMP_SPINCOUNT``), for a process whose own
-    forward passes need the spin but must leave the cores soon after (the target).
+def configure_torch(threads: int) -> None:
+    """Set torch's intra-op threads (0 keeps torch's default: one per core) and bound the OpenMP
+    spin of every thread this process's libgomp runs, torch's and llama.cpp's (``GOMP_SPINCOUNT``,
+    unless the environment says otherwise), so that the cores are free soon after a forward pass.
+    libgomp reads it when torch is first imported, so this must run before anything imports torch.
     """
     if "torch" in sys.modules:
         logger.warning("torch was imported before configure_torch; OpenMP wait settings cannot apply")
-    elif passive_wait:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    elif spin_count is not None:
-        os.environ.setdefault("GOMP_SPINCOUNT", str(spin_count))
+    else:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
     import torch
 
     if threads > 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from specdec.runtime import SPIN_COUNT, configure_torch, start_metrics
+from specdec.runtime import configure_torch, start_metrics
 from specdec.scheduler import ComputeThread
 from specdec.server import configure_logging, serve_forever
 from specdec.sessions import SessionStore
@@ -17,7 +17,7 @@ logger = logging.getLogger("target_service")
 def main() -> None:
     settings = TargetSettings(_cli_parse_args=True)
     configure_logging(settings.log_level)
-    configure_torch(settings.threads, spin_count=SPIN_COUNT)
+    configure_torch(settings.threads)
     from specdec.auth import server_security
     from specdec.models import load_hf
     from target_service.engine import TargetEngine

@@ -15,7 +15,6 @@ from orchestrator.controller import (
     HFController,
     LinearFit,
     StepObservation,
-    expected_tokens,
     make_controller,
 )
 
@@ -57,10 +56,20 @@ def test_acceptance_rule_grows_then_follows_rate():
     assert c.next_k() == 3
 
 
-def test_expected_tokens():
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+def geometric_tokens(alpha: float, k: int) -> float:
+    """Expected tokens of a step drafting k when every draft token is accepted with chance alpha."""
+    return sum(alpha**j for j in range(k + 1))
+
+
+def test_expected_tokens_without_position_counts_are_geometric():
+    """Before any step, every position's acceptance is the per-step rate: the survival chances are
+    alpha^j, and a step drafting k is expected to land sum(alpha^j, j = 0..k) tokens."""
+    for successes, failures in ((0.0, 1.0), (1.0, 0.0), (1.0, 1.0)):
+        c = CostController(4, 8)
+        c.successes, c.failures = successes, failures
+        alpha = c.alpha
+        assert sum(c.survival(5)) == pytest.approx(geometric_tokens(alpha, 5))
+    assert sum(c.survival(2)) == pytest.approx(1.75)
 
 
 def test_cost_controller_picks_long_drafts_when_cheap_and_accepted():
@@ -201,7 +210,7 @@ def test_saturated_shared_cores_make_plain_decoding_win():
     machine, not any one stream's latency, sets the pace, and plain decoding wins on CPU per token,
     although each stream's wall-time model alone favours drafting."""
     m, c = _cpu_bound_costs(("host-a", 2.0), ("host-a", 2.0))
-    wall_only = max(range(9), key=lambda k: expected_tokens(0.9, k) / (m.verify_ms(k) + m.draft_ms(k)))
+    wall_only = max(range(9), key=lambda k: geometric_tokens(0.9, k) / (m.verify_ms(k) + m.draft_ms(k)))
     assert wall_only >= 3
     assert m.cpu_round_ms(0) == pytest.approx((20 + 4.0 * 16) / 2)
     assert c.next_k() == 0
@@ -335,7 +344,7 @@ def test_position_acceptance_prices_long_drafts_that_survive_their_hard_tokens()
         c.observe(StepObservation(k=8, proposed=8, accepted=accepted, draft_ms=66, verify_ms=99))
     assert c.alpha < 0.85
     assert c.acceptance_at(1) == c.alpha and c.acceptance_at(5) > 0.95
-    geometric = max(range(9), key=lambda k: expected_tokens(c.alpha, k) / costs.round_ms(k))
+    geometric = max(range(9), key=lambda k: geometric_tokens(c.alpha, k) / costs.round_ms(k))
     assert geometric <= 3 and c.next_k() == 8
 
 

@@ -210,3 +210,45 @@ def test_cache_bytes_are_accounted(target, prompt):
     # the store is charged for the buffer's whole capacity, which holds at least the tokens
     assert session.nbytes == kv.numel() * kv.element_size() == session.cache.capacity * target.lm.bytes_per_token
     assert session.cache.capacity >= session.cache.length == len(prompt) + 2
+
+
+def test_fast_linears_pick_the_kernel_by_rows_and_match_the_stock_one(tiny_models):
+    """Inside a forward of the engine, few-row linears run through MKL's ``(W @ x.T).T`` and, from
+    ONEDNN_MIN_ROWS rows on, through oneDNN; both agree with ``F.linear`` to rounding. Outside
+    (``generate``, other users of the model) the stock kernel runs."""
+    import torch
+
+    from specdec.engine import ONEDNN_MIN_ROWS
+
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
+    fast = engine.lm.fast_linears
+    if fast.onednn_min_rows != ONEDNN_MIN_ROWS:
+        pytest.skip("this torch build has no oneDNN inner product")
+    calls: list[int] = []
+    onednn = fast._onednn
+    fast._onednn = lambda x, *rest: (calls.append(x.shape[0]), onednn(x, *rest))[1]
+    linear = next(m for m in engine.lm.model.modules() if type(m) is torch.nn.Linear)
+    for rows in (1, 2, 4, 5, 9, 40):
+        x = torch.randn(1, rows, linear.in_features)
+        stock = torch.nn.functional.linear(x, linear.weight, linear.bias)
+        with torch.inference_mode(), fast.active():
+            y = linear(x)
+        assert y.shape == stock.shape and torch.allclose(y, stock, rtol=1e-5, atol=1e-5), rows
+    assert calls == [5, 9, 40]
+    linear(torch.randn(1, 9, linear.in_features))  # not inside a forward of the engine
+    fast.onednn_min_rows = 1 << 30  # MKL at any row count, as batchcost --kernels mkl
+    with torch.inference_mode(), fast.active():
+        linear(torch.randn(1, 9, linear.in_features))
+    assert calls == [5, 9, 40]
+
+
+def test_no_onednn_kernel_means_mkl(monkeypatch):
+    import torch
+
+    from specdec import engine
+
+    def broken(*args):
+        raise RuntimeError("no oneDNN kernel in this build")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
+    assert engine._onednn_linear() is None

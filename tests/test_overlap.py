@@ -349,3 +349,16 @@ def test_a_propose_yields_cores_only_while_the_target_computes_on_its_host(engin
         assert draft.yield_cores.count(True) == stats.predrafted + stats.predrafts_dropped
     else:
         assert draft.yield_cores == [in_progress > 1] * len(draft.calls)
+
+
+def test_a_propose_yields_cores_while_another_streams_verify_runs(engine, reference, monkeypatch):
+    """A Verify of this orchestrator in flight (another stream's, here) makes even an alternating
+    Propose of a lone request leave the target its cores."""
+    from orchestrator.clients import TargetClient
+
+    monkeypatch.setattr(TargetClient, "in_flight", 1)
+    draft = ScriptedDraft(reference, set())
+    params = GenerationParams(prompt_ids=PROMPT, max_tokens=8, ignore_eos=True, overlap=False)
+    steps, _ = asyncio.run(run(engine, draft, params, make_controller("fixed", 3, 8)))
+    assert [t for s in steps for t in s.tokens] == reference[:8]
+    assert draft.yield_cores and all(draft.yield_cores)

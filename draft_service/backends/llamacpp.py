@@ -68,7 +68,7 @@ class LlamaCppProposer(Proposer):
         # Propose that yields cores (the target computes on this host meanwhile) run on
         # overlap_threads instead. On the 2-core machines measured, the embedded draft decoded a
         # token in 8.5-12 ms on two threads and 13-18 ms on one with the cores to itself (with the
-        # OpenMP spin bounded, not passive: see draft_service.__main__); next to a busy target, two
+        # OpenMP spin bounded, not passive: see specdec.runtime.SPIN_COUNT); next to a busy target, two
         # threads would wait for each other at every op's barrier.
         nthreads = threads or max(1, int(cpu_cores()))
         self.threads = nthreads
