@@ -9,8 +9,10 @@ than a target one and plain decoding wins. Each session has ``--context`` tokens
 (random ids, the same for every mode); every figure is the median of ``--repeats`` steps.
 The services set the same thread counts (target: all cores, with the bounded OpenMP spin;
 draft: llama.cpp on one thread, as when it yields cores to a busy target), so the figures match
-what they pay per step under load. ``--kernels onednn mkl`` also times the target's passes with
-MKL alone (the kernel before oneDNN took over verify-sized passes), interleaved with oneDNN's.
+what they pay per step under load. ``--kernels packed onednn mkl`` times the target's passes with
+each linear kernel the engine can run (see ``specdec.engine._FastLinears``), interleaved: oneDNN on
+weights packed at load (the default), oneDNN on the row-major weights from 5 rows with MKL below,
+and MKL alone.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from evaluation import report
 
 logger = logging.getLogger("evaluation.batchcost")
 
-KERNELS = ("onednn", "mkl")
+KERNELS = ("packed", "onednn", "mkl")  # specdec.engine.KERNELS (that module imports torch)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,10 +44,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="steps measured per point (default 7)")
     p.add_argument("--target", default="embedded", help="target model (default the embedded one)")
     p.add_argument("--draft", default="embedded", help="draft GGUF for llama.cpp (default the embedded one)")
-    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=["onednn"],
-                   help="target linear kernels to compare, interleaved: onednn (the service's: oneDNN for passes "
-                        "of specdec.engine.ONEDNN_MIN_ROWS rows or more, MKL below) and mkl (MKL at any row count); "
-                        "default onednn")
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=["packed"],
+                   help="target linear kernels to compare, interleaved: packed (the service's: oneDNN on weights "
+                        "packed at load), onednn (oneDNN on the row-major weights for passes of "
+                        "specdec.engine.ONEDNN_MIN_ROWS rows or more, MKL below) and mkl (MKL at any row count); "
+                        "default packed")
     p.add_argument("--out", type=Path, default=None, help="output folder (default evaluation/results/batchcost-<timestamp>/)")
     return p.parse_args(argv)
 
@@ -63,7 +66,10 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
     engine = TargetEngine(load_hf(args.target, "float32", "cpu", default_cache_dir()),
                           SessionStore(512, 8 << 30, 0), max_draft_tokens=32)
     fast = engine.lm.fast_linears
-    min_rows = {"onednn": fast.onednn_min_rows, "mkl": 1 << 30}
+    default = fast.kernel
+    missing = [k for k in args.kernels if k not in fast.kernels]
+    if missing:
+        raise SystemExit(f"this torch build cannot run the kernel(s) {', '.join(missing)}; it has {', '.join(fast.kernels)}")
     rng = random.Random(0)
     out = {}
     for q in args.rows:
@@ -74,7 +80,7 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
             times: dict[str, list[float]] = {k: [] for k in args.kernels}
             for _ in range(args.repeats):
                 for kernel in args.kernels:  # interleaved, so drift of the machine hits each alike
-                    fast.onednn_min_rows = min_rows[kernel]
+                    fast.kernel = kernel
                     # each step: the session's next token (uncached) plus q - 1 draft tokens
                     jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1))
                             for i, s in enumerate(seqs)]
@@ -86,7 +92,7 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
             for kernel in args.kernels:
                 out[(kernel, b, q)] = statistics.median(times[kernel])
                 logger.info("target (%s): %d sessions × %d rows: %.1f ms", kernel, b, q, out[(kernel, b, q)])
-    fast.onednn_min_rows = min_rows["onednn"]
+    fast.kernel = default
     return out
 
 
@@ -116,7 +122,7 @@ def draft_costs(args: argparse.Namespace) -> dict[int, float]:
 
 def render(target: dict[tuple[str, int, int], float], draft: dict[int, float], args: argparse.Namespace) -> str:
     def name(kernel: str, what: str) -> str:
-        return what if args.kernels == ["onednn"] else f"{what}, {kernel}"
+        return what if len(args.kernels) == 1 else f"{what}, {kernel}"
 
     cols = [(kernel, q) for kernel in args.kernels for q in args.rows]
     head = ["sessions B", *(name(k, f"target B×{q} (ms)") for k, q in cols), "draft step (ms)",

@@ -70,14 +70,15 @@ def max_context_of(config: Any) -> int:
 
 
 # Decode and verify forwards carry 1..k+1 rows per session; above this many rows in a pass (long
-# prefills) the stock kernel is used. oneDNN measured faster than MKL up to 256 rows as well
-# (1536x576 weight, 2 threads: 2.9 against 4.6 ms at 256 rows), but prefill is not where time goes.
+# prefills) the stock kernel is used.
 FAST_LINEAR_MAX_ROWS = 64
-# From this many rows on, oneDNN's inner product beats MKL's ``(W @ x.T).T``: measured through the
-# embedded target's whole verify (2 threads, 200 tokens of context, medians): 2 / 4 / 5 / 6 / 8 rows
-# took 84 / 76 / 76 / 86 / 88 ms with oneDNN against 53 / 62 / 81 / 104 / 109 ms; 9 and 13 rows 89 /
-# 98 against 118 / 150. Fewer rows read the weights faster through MKL (memory-bound).
+# Without prepacked weights (see _FastLinears): from this many rows on, oneDNN's inner product on
+# the row-major weight beats MKL's ``(W @ x.T).T``; fewer rows read the weights faster through MKL.
 ONEDNN_MIN_ROWS = 5
+# The batch size oneDNN blocks a prepacked weight for. Any hint from 8 up gave the same speed for
+# 1-64 rows and the same sums for a row whatever the rows around it; a hint of 1 did not.
+PACK_ROWS_HINT = 64
+KERNELS = ("packed", "onednn", "mkl")
 
 
 def _onednn_linear() -> Any:
@@ -94,18 +95,41 @@ def _onednn_linear() -> Any:
     return op
 
 
+def _onednn_pack() -> Any:
+    """torch's oneDNN weight prepack (``mkldnn::_reorder_linear_weight``, what inductor's freezing
+    uses), or None when it is missing or its packed weights do not compute ``F.linear``."""
+    op = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    linear = _onednn_linear()
+    if op is None or linear is None:
+        return None
+    try:
+        w, x = torch.randn(24, 16), torch.randn(3, 16)
+        y = linear(x, op(w, PACK_ROWS_HINT), None, "none", [], "")
+        if not torch.allclose(y, x @ w.T, rtol=1e-4, atol=1e-5):
+            return None
+    except RuntimeError:
+        return None
+    return op
+
+
 class _FastLinears:
     """Faster CPU fp32 ``nn.Linear`` for the few-row forwards of decoding and verification.
 
-    ``F.linear(x, W)`` computes ``x @ W.T``; with 2..~10 rows MKL takes a slow path for the
-    transposed weight (the 49152-row lm_head took 20-40 ms for 2-5 rows against 10 ms for one),
-    and its one-row gemv reaches only ~10 GB/s. ``(W @ x.T).T`` streams the row-major weight at
-    ~25 GB/s for two to four rows (a single row is duplicated to two). From ONEDNN_MIN_ROWS rows on
-    (a verify of k >= 4, or a batched pass), oneDNN's fp32 inner product (through torch, no extra
-    package) is faster still, and its cost grows slowly with the rows: a verify of 13 rows costs
-    about twice a plain step instead of three times. Only the summation blocking differs between
-    the kernels (~1e-6 relative). Active only inside :meth:`active` (per thread), so other users of
-    the same model object (``generate``, tests) keep the stock kernels.
+    A verify of k draft tokens is a forward of k + 1 rows; speculation pays only if it costs little
+    more than a plain step of one row. Stock ``F.linear`` grows steeply with the rows (MKL takes a
+    slow path for 2..~10 rows of ``x @ W.T``) and oneDNN on the row-major weight re-blocks it on
+    every call. So each fp32 weight is packed once, at load, into oneDNN's blocked layout
+    (``kernel = "packed"``): all of the embedded target's linears then cost about the same for 1 to
+    9 rows (~35-40 ms on 2 cores, against 57 ms for one row and 63-87 ms for nine through the stock
+    kernels), and a row's sums do not depend on the other rows of the pass, so a verify computes
+    bit for bit what plain steps would. The packed copy costs the weights' size again in memory.
+
+    Without the prepack op (``kernel = "onednn"``): oneDNN on the row-major weight from
+    ONEDNN_MIN_ROWS rows, MKL's ``(W @ x.T).T`` below (a single row duplicated to two), which
+    streams the row-major weight faster than its one-row gemv. ``"mkl"``: that at any row count
+    (for A/B measurements, ``evaluation.batchcost --kernels``). Only the summation blocking differs
+    from the stock kernel (~1e-6 relative). Active only inside :meth:`active` (per thread), so
+    other users of the same model object (``generate``, tests) keep the stock kernels.
     """
 
     @classmethod
@@ -121,14 +145,23 @@ class _FastLinears:
         self._local = threading.local()
         self.count = 0
         self._onednn = _onednn_linear()
-        # oneDNN from this many rows on; a very large value keeps MKL everywhere (for A/B measurements)
-        self.onednn_min_rows = ONEDNN_MIN_ROWS if self._onednn is not None else 1 << 30
+        pack = _onednn_pack()
+        self.kernel = "packed" if pack is not None else "onednn" if self._onednn is not None else "mkl"
+        self._packed: dict[int, torch.Tensor] = {}
         for module in model.modules():
             if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" \
                     and module.weight.dtype == torch.float32:
+                if pack is not None:
+                    with torch.inference_mode():
+                        self._packed[id(module)] = pack(module.weight.detach(), PACK_ROWS_HINT)
                 # An instance attribute shadows nn.Linear.forward for this module only.
                 module.forward = functools.partial(self._forward, module, module.forward)
                 self.count += 1
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels this build can run, fastest first."""
+        return KERNELS[KERNELS.index(self.kernel):] if self._onednn is not None else ("mkl",)
 
     def active(self) -> _FastLinearsScope:
         return _FastLinearsScope(self._local)
@@ -140,7 +173,10 @@ class _FastLinears:
         rows = x2.shape[0]
         if rows > FAST_LINEAR_MAX_ROWS or rows == 0 or x2.dtype != torch.float32:
             return stock(x)
-        if rows >= self.onednn_min_rows:
+        if self.kernel == "packed":
+            y = self._onednn(x2.contiguous(), self._packed[id(module)], module.bias, "none", [], "")
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        if self.kernel == "onednn" and rows >= ONEDNN_MIN_ROWS:
             y = self._onednn(x2.contiguous(), module.weight, module.bias, "none", [], "")
             return y.reshape(*x.shape[:-1], y.shape[-1])
         if rows == 1:

@@ -212,34 +212,60 @@ def test_cache_bytes_are_accounted(target, prompt):
     assert session.cache.capacity >= session.cache.length == len(prompt) + 2
 
 
-def test_fast_linears_pick_the_kernel_by_rows_and_match_the_stock_one(tiny_models):
-    """Inside a forward of the engine, few-row linears run through MKL's ``(W @ x.T).T`` and, from
-    ONEDNN_MIN_ROWS rows on, through oneDNN; both agree with ``F.linear`` to rounding. Outside
-    (``generate``, other users of the model) the stock kernel runs."""
+def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
+    """Inside a forward of the engine, linears run through the chosen kernel: oneDNN on weights
+    packed at load ("packed", the default where the build has it), oneDNN on the row-major weight
+    from ONEDNN_MIN_ROWS rows with MKL's ``(W @ x.T).T`` below ("onednn"), or MKL alone ("mkl");
+    all agree with ``F.linear`` to rounding. Outside (``generate``, other users of the model) the
+    stock kernel runs."""
     import torch
 
     from specdec.engine import ONEDNN_MIN_ROWS
 
     engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
     fast = engine.lm.fast_linears
-    if fast.onednn_min_rows != ONEDNN_MIN_ROWS:
-        pytest.skip("this torch build has no oneDNN inner product")
-    calls: list[int] = []
+    if fast.kernels[0] != "packed":
+        pytest.skip("this torch build has no oneDNN weight prepack")
+    assert fast.kernels == ("packed", "onednn", "mkl")
+    calls: list[tuple[int, bool]] = []
     onednn = fast._onednn
-    fast._onednn = lambda x, *rest: (calls.append(x.shape[0]), onednn(x, *rest))[1]
+    fast._onednn = lambda x, w, *rest: (calls.append((x.shape[0], w.is_mkldnn)), onednn(x, w, *rest))[1]
     linear = next(m for m in engine.lm.model.modules() if type(m) is torch.nn.Linear)
-    for rows in (1, 2, 4, 5, 9, 40):
-        x = torch.randn(1, rows, linear.in_features)
-        stock = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    rows = (1, 2, 4, ONEDNN_MIN_ROWS, 9, 40)
+    for kernel in fast.kernels:
+        fast.kernel = kernel
+        calls.clear()
+        for n in rows:
+            x = torch.randn(1, n, linear.in_features)
+            stock = torch.nn.functional.linear(x, linear.weight, linear.bias)
+            with torch.inference_mode(), fast.active():
+                y = linear(x)
+            assert y.shape == stock.shape and torch.allclose(y, stock, rtol=1e-5, atol=1e-5), (kernel, n)
+        expected = {"packed": [(n, True) for n in rows],
+                    "onednn": [(n, False) for n in rows if n >= ONEDNN_MIN_ROWS], "mkl": []}[kernel]
+        assert calls == expected, kernel
+        linear(torch.randn(1, 9, linear.in_features))  # not inside a forward of the engine: stock
+        assert calls == expected, kernel
+
+
+def test_packed_linears_sum_a_row_alike_whatever_rows_surround_it(tiny_models):
+    """With packed weights a row's output does not depend on the other rows of the pass (bit for
+    bit, 1 to 33 rows): a verify of k draft tokens computes each row's linears exactly as a plain
+    step of that row would."""
+    import torch
+
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
+    fast = engine.lm.fast_linears
+    if fast.kernel != "packed":
+        pytest.skip("this torch build has no oneDNN weight prepack")
+    torch.manual_seed(0)
+    for linear in [m for m in engine.lm.model.modules() if type(m) is torch.nn.Linear]:
+        x = torch.randn(33, linear.in_features)
         with torch.inference_mode(), fast.active():
-            y = linear(x)
-        assert y.shape == stock.shape and torch.allclose(y, stock, rtol=1e-5, atol=1e-5), rows
-    assert calls == [5, 9, 40]
-    linear(torch.randn(1, 9, linear.in_features))  # not inside a forward of the engine
-    fast.onednn_min_rows = 1 << 30  # MKL at any row count, as batchcost --kernels mkl
-    with torch.inference_mode(), fast.active():
-        linear(torch.randn(1, 9, linear.in_features))
-    assert calls == [5, 9, 40]
+            whole = linear(x)
+            for n in (1, 2, 3, 5, 8, 9, 17):
+                assert torch.equal(linear(x[:n]), whole[:n]), (linear, n)
+                assert torch.equal(linear(x[-n:]), whole[-n:]), (linear, n)
 
 
 def test_no_onednn_kernel_means_mkl(monkeypatch):

@@ -276,11 +276,13 @@ def test_batchcost_measures_both_engines(tmp_path):
     """``python -m evaluation.batchcost`` on the embedded pair: a row per batch size, positive
     times, and a step of three sessions not cheaper than one (within noise)."""
     from evaluation import batchcost
+    from specdec.engine import KERNELS
 
+    assert batchcost.KERNELS == KERNELS
     assert batchcost.main(["--batches", "1,3", "--rows", "1,2", "--repeats", "2", "--context", "32",
-                           "--kernels", "onednn", "mkl", "--out", str(tmp_path)]) == 0
+                           "--kernels", *batchcost.KERNELS, "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["target_ms"]) == {f"{k}:{b}x{q}" for k in ("onednn", "mkl") for b in (1, 3) for q in (1, 2)}
+    assert set(results["target_ms"]) == {f"{k}:{b}x{q}" for k in batchcost.KERNELS for b in (1, 3) for q in (1, 2)}
     assert set(results["draft_step_ms"]) == {"1", "3"}
     assert all(v > 0 for v in results["target_ms"].values())
     assert results["draft_step_ms"]["3"] > results["draft_step_ms"]["1"] * 0.8
