@@ -41,7 +41,7 @@ from evaluation.stats import summarise
 
 logger = logging.getLogger("evaluation.bench")
 
-MAX_FIXED_K = 8
+MAX_FIXED_K = 16
 
 
 @dataclass(frozen=True)

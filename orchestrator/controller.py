@@ -319,12 +319,14 @@ class CostModel:
             self.own_cpu_ms = per_step if self.own_cpu_ms == 0 else 0.7 * self.own_cpu_ms + 0.3 * per_step
             self._own_mark = (now, cpu, self._steps)
 
-    def verify_ms(self, k: int) -> float | None:
+    def verify_ms(self, k: float) -> float | None:
+        """Expected wall ms of a Verify of k draft tokens (k may be an expected, fractional count)."""
         # until two row counts have been seen: each extra row costs 10 % of a one-row pass
         return self.verify.predict(self.verify_sessions * (k + 1), 0.1)
 
-    def draft_ms(self, k: int) -> float | None:
-        """Expected wall ms of a Propose of k tokens; None while unknown (or stale)."""
+    def draft_ms(self, k: float) -> float | None:
+        """Expected wall ms of a Propose that drafts k tokens (k may be fractional, an expected
+        count); None while unknown (or stale)."""
         if k == 0:
             return 0.0
         if time.monotonic() - self.draft_measured_at > self.DRAFT_COST_TTL_S:
@@ -332,7 +334,7 @@ class CostModel:
         step = self.draft_step.predict(self.draft_sessions, 0.2)
         return None if step is None else self.draft_call.intercept() + k * step
 
-    def cpu_round_ms(self, k: int) -> float:
+    def cpu_round_ms(self, k: float) -> float:
         """Time the busiest host needs to run one step of every stream in progress, all at k, from
         CPU time per step and its cores (0 when nothing is known)."""
         n = max(float(self.streams), self.verify_sessions)
@@ -356,9 +358,9 @@ class CostModel:
         add("self", n * self.own_cpu_ms)
         return max((ms / cores[h] for h, ms in demand.items()), default=0.0)
 
-    def round_ms(self, k: int) -> float | None:
-        """Expected milliseconds per step of one stream at k: its own wall time, or what the
-        machine needs for everyone's step when that is longer (None until both costs are known)."""
+    def round_ms(self, k: float) -> float | None:
+        """Expected milliseconds per step of one stream drafting k tokens: its own wall time, or what
+        the machine needs for everyone's step when that is longer (None until both costs are known)."""
         verify, draft = self.verify_ms(k), self.draft_ms(k)
         if verify is None or draft is None:
             return None
@@ -377,7 +379,14 @@ class CostController(Controller):
     got to position 6 is accepted there far more often than alpha says. Measured on the embedded
     pair (12 prompts): alpha ~0.81 priced the 7th and 8th draft tokens at a fifth of a token each,
     and `cost` chose k ~6.4 for 4.86 tokens per step, where fixed k = 8 got 5.26 at the same
-    iteration cost. While a cost is unknown the
+    iteration cost.
+
+    A step asking for k seldom pays for k draft tokens: the draft stops early after a token it is
+    unsure of (the confidence threshold) or at EOS, and the target then verifies fewer rows. So the
+    cost of k is priced at the *expected* draft length, from the chance that a draft asked to go
+    past position j - 1 went on to j (:meth:`continue_at`), counted like acceptance. Priced at k
+    itself, a long k looks as dear as a draft that never stops early, and the controller chose
+    shorter drafts than fixed k = 8 on the embedded pair. While a cost is unknown the
     controller explores; after choosing k = 0 it probes a small draft every ``probe_every`` steps
     so it notices when the text becomes predictable again.
 
@@ -407,6 +416,10 @@ class CostController(Controller):
         # token before it accepted, and of those that accepted j too
         self.reached = [0.0] * (max_k + 2)
         self.passed = [0.0] * (max_k + 2)
+        # per position j >= 2: decayed counts of drafts asked for j or more that got to j - 1, and
+        # of those that drafted j too (the rest stopped early)
+        self.could_continue = [0.0] * (max_k + 2)
+        self.continued = [0.0] * (max_k + 2)
         self._plain_steps = 0
         self.last_choice: dict[int, float] = {}  # expected tokens/ms by k at the last decision
 
@@ -428,6 +441,22 @@ class CostController(Controller):
         alpha = self.alpha
         return max((passed + self.POSITION_PRIOR * alpha) / (reached + self.POSITION_PRIOR), alpha)
 
+    def continue_at(self, j: int) -> float:
+        """Chance that a draft asked for at least j tokens, having drafted j - 1, drafts token j
+        too (j = 1: always); a prior of POSITION_PRIOR drafts that never stop early."""
+        if j <= 1:
+            return 1.0
+        asked = self.could_continue[j] if j < len(self.could_continue) else 0.0
+        went = self.continued[j] if j < len(self.continued) else 0.0
+        return (went + self.POSITION_PRIOR) / (asked + self.POSITION_PRIOR)
+
+    def reach(self, n: int) -> list[float]:
+        """[chance that a draft asked for n tokens or more drafts at least j, for j = 0..n]."""
+        out = [1.0]
+        for j in range(1, n + 1):
+            out.append(out[-1] * self.continue_at(j))
+        return out
+
     def survival(self, n: int) -> list[float]:
         """[chance that draft tokens 1..j are all accepted, for j = 0..n] (j = 0: 1). Expected
         tokens of a step drafting k are ``sum(survival(k))``: the accepted draft plus the target's own."""
@@ -443,10 +472,13 @@ class CostController(Controller):
         if self.costs.verify_ms(0) is None or self.costs.draft_ms(1) is None:
             return max(self.k, 1)  # explore: we need both costs before comparing
         survival = self.survival(self.max_k + 1)  # once per decision; k + 1 for the overlapped guess
-        rates, tokens = {}, 0.0
+        reach = self.reach(self.max_k + 1)
+        rates, tokens, drafted = {}, 0.0, 0.0
         for k in range(0, self.max_k + 1):
-            tokens += survival[k]
-            rates[k] = tokens / self.round_ms(k, survival[k + 1])
+            # token k lands if the draft got that far and it and every one before it were accepted
+            tokens += reach[k] * survival[k]
+            drafted += reach[k] if k else 0.0
+            rates[k] = tokens / self.round_ms(drafted, survival[k + 1])
         self.last_choice = rates
         best = max(rates, key=rates.get)
         self.probing = False
@@ -459,14 +491,15 @@ class CostController(Controller):
         self.k = best
         return best
 
-    def round_ms(self, k: int, whole_block: float | None = None) -> float:
-        """Expected milliseconds per step at k, alternating or overlapped (see the class docstring);
-        ``whole_block``: the chance that the k draft tokens and the bonus guess are all accepted
-        (default: from the acceptance estimates)."""
+    def round_ms(self, k: float, whole_block: float | None = None) -> float:
+        """Expected milliseconds per step drafting k tokens (an expected, possibly fractional
+        count), alternating or overlapped (see the class docstring); ``whole_block``: the chance
+        that the k draft tokens and the bonus guess are all accepted (default: from the acceptance
+        estimates)."""
         if not self.overlap or k == 0:
             return self.costs.round_ms(k)
         verify, draft, predraft = self.costs.verify_ms(k), self.costs.draft_ms(k), self.costs.draft_ms(k + 1)
-        c = self.survival(k + 1)[-1] if whole_block is None else whole_block
+        c = self.survival(math.ceil(k) + 1)[-1] if whole_block is None else whole_block
         wall = c * max(verify, predraft) + (1 - c) * (verify + draft)
         return max(wall, self.costs.cpu_round_ms(k))
 
@@ -491,6 +524,12 @@ class CostController(Controller):
             for j in range(1, min(step.proposed, step.accepted + 1, len(self.reached) - 1) + 1):
                 self.reached[j] += 1
                 self.passed[j] += 1 if j <= step.accepted else 0
+            for j in range(2, len(self.could_continue)):
+                self.could_continue[j] *= d
+                self.continued[j] *= d
+            for j in range(2, min(step.k, step.proposed + 1, len(self.could_continue) - 1) + 1):
+                self.could_continue[j] += 1
+                self.continued[j] += 1 if j <= step.proposed else 0
 
 
 def make_controller(name: str, k: int, max_k: int, costs: CostModel | None = None) -> Controller:

@@ -43,9 +43,9 @@ class OrchestratorSettings(BaseSettings):
     draft_retry_s: float = Field(5.0, ge=0, description="After a draft failure, decode without drafts this long, then retry.")
     default_controller: ControllerName = Field("cost", description="Controller used when a request names none.")
     default_k: int = Field(4, ge=0, le=64, description="Initial (or, for 'fixed', constant) draft length.")
-    default_max_k: int = Field(8, ge=1, le=64, description="Upper bound of k for adaptive controllers.")
+    default_max_k: int = Field(16, ge=1, le=64, description="Upper bound of k for adaptive controllers.")
     default_confidence_threshold: float = Field(
-        0.3, ge=0, le=1, description="Draft stops after a token whose draft probability is below this."
+        0.1, ge=0, le=1, description="Draft stops after a token whose draft probability is below this."
     )
     default_overlap: Literal["auto", "on", "off"] = Field(
         "auto", description="Overlapped speculation for greedy requests that do not choose (the draft drafts the next "

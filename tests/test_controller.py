@@ -348,6 +348,30 @@ def test_position_acceptance_prices_long_drafts_that_survive_their_hard_tokens()
     assert geometric <= 3 and c.next_k() == 8
 
 
+def test_cost_prices_a_long_k_at_the_draft_length_it_is_expected_to_reach():
+    """Half the drafts stop after 2 tokens (low confidence), the rest run to k = 8, and every draft
+    token is accepted. Asking for 8 then costs ~5 drafted tokens and 6 verified rows, and lands ~6
+    tokens: the choice is priced at the expected draft length, not at k."""
+    costs = CostModel(decay=1.0)
+    for rows in (1, 3, 9):
+        costs.observe_verify(rows - 1, 50.0 + rows)  # verify: 50 ms + 1 ms per row
+    for k in (2, 8):
+        costs.observe_draft(k, 2.0 + 12.0 * k)  # draft: 2 ms per call + 12 ms per token
+    c = CostController(8, 8, costs)
+    for i in range(200):
+        n = 8 if i % 2 else 2
+        c.observe(StepObservation(k=8, proposed=n, accepted=n, draft_ms=2 + 12.0 * n, verify_ms=51.0 + n))
+    assert c.continue_at(1) == 1.0 and c.continue_at(2) == pytest.approx(1.0, abs=0.05)
+    assert c.continue_at(3) == pytest.approx(0.5, abs=0.08)  # recent steps weigh more, and a prior of "goes on"
+    assert all(c.continue_at(j) == pytest.approx(1.0, abs=0.05) for j in range(4, 9))
+    assert c.next_k() == 8
+    drafted = sum(c.reach(8)[1:])
+    assert drafted == pytest.approx(2 + 6 * 0.5, abs=0.5)
+    assert c.last_choice[8] == pytest.approx((1 + drafted) / (50 + drafted + 1 + 2 + 12 * drafted), rel=0.05)
+    # priced at k itself the same step would look a third dearer
+    assert c.last_choice[8] > 1.25 * (1 + drafted) / (50 + 9 + 2 + 12 * 8)
+
+
 def test_a_stale_draft_cost_is_explored_again(monkeypatch):
     """A burst of slow Proposes priced drafting out (k = 0); no Propose confirms the cost after
     that, so once it is older than DRAFT_COST_TTL_S the controller drafts again to re-measure."""

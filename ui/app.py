@@ -132,7 +132,7 @@ def decoding_controls(defaults: dict[str, Any]) -> dict[str, Any]:
                           help="Initial draft length (constant for the 'fixed' controller).")
     max_k = right.number_input("max k", min_value=1, max_value=64, value=int(defaults.get("max_k", 8)),
                                key="max_k", help="Largest draft length an adaptive controller may pick.")
-    threshold = st.slider("Confidence threshold", 0.0, 1.0, float(defaults.get("confidence_threshold", 0.3)),
+    threshold = st.slider("Confidence threshold", 0.0, 1.0, float(defaults.get("confidence_threshold", 0.1)),
                           0.05, key="threshold",
                           help="The draft stops early after a token it is less sure of than this.")
     choices = ["auto", "on", "off"]
