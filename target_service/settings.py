@@ -27,3 +27,9 @@ class TargetSettings(ModelServiceSettings):
         1, ge=0, description="Threads of a pass verifying while a draft computes on the same host (overlapped "
                              "speculation asks for it); 0: all of `threads`."
     )
+    pack_weights: bool = Field(
+        True, description="Pack the fp32 linear weights once, at load, for oneDNN: a verify of up to ~9 rows then costs "
+                          "about one plain step, and a row computes the same whatever rows share its pass. Costs the "
+                          "weights' size again in memory (the embedded target: ~0.5 GB); false keeps the stock "
+                          "kernels (docs/performance.md)."
+    )

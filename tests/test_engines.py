@@ -248,6 +248,13 @@ def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
         assert calls == expected, kernel
 
 
+def test_pack_weights_false_keeps_the_row_major_kernels(tiny_models):
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0), pack_weights=False)
+    fast = engine.lm.fast_linears
+    assert "packed" not in fast.kernels and not fast._packed
+    assert engine.verify("s", [1, 2, 3], [4, 5]).num_accepted in range(3)
+
+
 def test_packed_linears_sum_a_row_alike_whatever_rows_surround_it(tiny_models):
     """With packed weights a row's output does not depend on the other rows of the pass (bit for
     bit, 1 to 33 rows): a verify of k draft tokens computes each row's linears exactly as a plain
