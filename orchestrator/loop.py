@@ -257,7 +257,8 @@ async def generate(
 ) -> AsyncIterator[StepEvent | tuple[str, str, GenerationStats]]:
     """Run the loop; yield a StepEvent per iteration, then (finish_reason, text, stats).
 
-    ``in_progress``: generations the server is running now, this one included (overlap ``None``).
+    ``in_progress``: generations the server is running now, this one included (overlap ``None``:
+    overlapped while it is 1 and the draft does not share the target's host).
 
     finish_reason: "stop" (EOS or stop string), "length" (max_tokens or context), "cancelled".
     Raises TargetUnavailable or BadRequest when the target fails.
@@ -322,7 +323,11 @@ async def generate(
             if remaining <= 0:
                 finish = "length"
                 break
-            overlap = can_overlap and (params.overlap is True or in_progress() <= 1)
+            # auto (None): overlapped for a lone request whose draft computes on another host. On a
+            # shared host the overlapped verify gives up cores to the draft and measured slower than
+            # alternating since verify costs about one plain step (docs/performance.md).
+            overlap = can_overlap and (params.overlap is True
+                                       or (in_progress() <= 1 and not limits.draft_shares_host))
             controller.overlap = overlap  # the cost controller prices k for the schedule it gets
             # 1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left.
             k = 0

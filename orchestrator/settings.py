@@ -50,7 +50,8 @@ class OrchestratorSettings(BaseSettings):
     default_overlap: Literal["auto", "on", "off"] = Field(
         "auto", description="Overlapped speculation for greedy requests that do not choose (the draft drafts the next "
                             "block while the target verifies this one): on, off, or auto — while a request is the only "
-                            "one in progress here (docs/performance.md)."
+                            "one in progress here and the draft computes on another host than the target (on a "
+                            "shared host alternating measured faster: docs/performance.md)."
     )
     shared_host_max_streams: int = Field(
         1, ge=0,

@@ -141,12 +141,16 @@ async def test_a_verify_next_to_a_predraft_on_the_same_host_yields_cores(engine,
     assert target.yield_cores[0] == shared_host  # the first block's Verify already has the second's pre-draft
 
 
-@pytest.mark.parametrize("overlap, in_progress, overlapped", [
-    (None, 1, True), (None, 2, False), (True, 2, True), (False, 1, False)])
-async def test_auto_overlaps_only_a_request_alone(engine, reference, overlap, in_progress, overlapped):
+@pytest.mark.parametrize("overlap, in_progress, shared_host, overlapped", [
+    (None, 1, False, True), (None, 2, False, False), (None, 1, True, False), (True, 2, True, True),
+    (False, 1, False, False)])
+async def test_auto_overlaps_only_a_request_alone_with_the_draft_on_another_host(
+        engine, reference, overlap, in_progress, shared_host, overlapped):
+    """auto (None) overlaps a lone request when the draft has cores of its own; on the target's
+    host the overlapped verify would give up cores to the draft, which measured slower."""
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=N, ignore_eos=True, overlap=overlap)
     steps, stats = await run(engine, ScriptedDraft(reference, set()), params, make_controller("cost", 3, 8),
-                             in_progress=in_progress)
+                             shared_host, in_progress=in_progress)
     assert (stats.predrafted > 0) == overlapped
     assert [t for s in steps for t in s.tokens] == reference[:N]
 
