@@ -41,7 +41,8 @@ from evaluation.stats import summarise
 
 logger = logging.getLogger("evaluation.bench")
 
-MAX_FIXED_K = 16
+FIXED_KS = (*range(1, 9), 12, 16)  # fixed-k modes
+MAX_FIXED_K = max(FIXED_KS)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def all_modes() -> list[Mode]:
              Mode("sd-autoregressive", "specdec", body={"mode": "autoregressive"})]
     # alternating (draft, then verify), whatever the server's default
     modes += [Mode(f"sd-fixed-k{k}", "specdec", body={"controller": "fixed", "k": k, "max_k": MAX_FIXED_K, "overlap": False})
-              for k in range(1, MAX_FIXED_K + 1)]
+              for k in FIXED_KS]
     modes += [Mode(f"sd-{c}", "specdec", body={"controller": c, "overlap": False}) for c in ("acceptance", "hf", "cost")]
     # overlapped: the next block is drafted while this one is verified
     modes += [Mode(f"sd-overlap-fixed-k{k}", "specdec", body={"controller": "fixed", "k": k, "max_k": MAX_FIXED_K,

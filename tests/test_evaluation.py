@@ -166,7 +166,7 @@ def test_modes_cover_every_measurement_and_patterns_select():
     names = [m.name for m in all_modes()]
     assert {"hf-plain", "hf-assisted", "hf-prompt-lookup", "sd-autoregressive", "sd-acceptance", "sd-hf", "sd-cost",
             "ngram-cost"} <= set(names)
-    assert [f"sd-fixed-k{k}" for k in range(1, 9)] == [n for n in names if n.startswith("sd-fixed-")]
+    assert [f"sd-fixed-k{k}" for k in (*range(1, 9), 12, 16)] == [n for n in names if n.startswith("sd-fixed-")]
     assert [m.name for m in pick_modes(["sd-fixed-k[12]", "hf-plain"])] == ["hf-plain", "sd-fixed-k1", "sd-fixed-k2"]
     with pytest.raises(SystemExit, match="match no mode"):
         pick_modes(["nope"])
@@ -304,3 +304,37 @@ def test_lookup_walk_counts_what_prompt_lookup_would_land():
     c = walk([1, 2, 3, 4, 1, 2, 3, 9], start=4, k=4, min_ngram=2, max_ngram=3)
     assert (c.positions, c.matched, c.accepted) == (3, 1, 1)
     assert walk([5, 6, 7], start=1, k=4, min_ngram=2, max_ngram=3).matched == 0
+
+
+def test_replay_walks_rounds_the_way_the_greedy_loop_would():
+    """From each position the draft's proposal is cut at k or after its first token below the
+    threshold; the leading tokens equal to the output are accepted, the target adds its own, and
+    the next round starts after them. Cost: a pass of drafted + 1 rows, the draft tokens, overhead."""
+    from evaluation.replay import Proposal, drafted_length, replay
+
+    output = [10, 11, 12, 13, 14, 15]
+    # proposals from every position: right except at position 2, where the draft says 99
+    proposals = [Proposal((output[s:] + [0] * 8)[:6], [0.9] * 6) for s in range(len(output))]
+    proposals[0] = Proposal([10, 11, 99, 13, 14, 15], [0.9, 0.9, 0.9, 0.9, 0.05, 0.9])
+    assert drafted_length(proposals[0], 8, 0.1) == 5 and drafted_length(proposals[0], 3, 0.1) == 3
+    assert drafted_length(proposals[0], 8, 0.0) == 6
+    r = replay(output, proposals, 4, 0.1, lambda rows: 50.0 + rows, 10.0, 5.0)
+    # round 1 at 0: drafts 4 (k), accepts 10 11, target gives 12 -> 3 tokens; round 2 at 3: output
+    # has 3 left, so at most 2 drafted (13 14), both accepted, target gives 15 -> 3 tokens
+    assert (r.rounds, r.tokens, r.drafted) == (2, 6, 6)
+    assert r.cost_ms == (50 + 5 + 40 + 5) + (50 + 3 + 20 + 5)
+    plain = replay(output, proposals, 0, 0.0, lambda rows: 50.0 + rows, 10.0, 5.0)
+    assert (plain.rounds, plain.tokens, plain.drafted) == (6, 6, 0) and plain.cost_ms == 6 * 56
+
+
+@pytest.mark.embedded
+def test_replay_runs_on_the_embedded_pair(tmp_path):
+    from evaluation import replay
+
+    assert replay.main(["--prompts", "1", "--max-tokens", "12", "--ks", "2,4", "--thresholds", "0,0.5",
+                        "--repeats", "2", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["k"], r["threshold"]) for r in results["rows"]] == [(2, 0.0), (2, 0.5), (4, 0.0), (4, 0.5)]
+    assert all(r["speedup"] > 0 and 1 <= r["tokens_per_round"] <= r["k"] + 1 for r in results["rows"])
+    assert len(results["outputs"][0]["output"]) == 12 and results["draft_token_ms"] > 0
+    assert "predicted speedup" in (tmp_path / "results.md").read_text()
