@@ -63,8 +63,12 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
     from specdec.settings import default_cache_dir
     from target_service.engine import TargetEngine
 
-    engine = TargetEngine(load_hf(args.target, "float32", "cpu", default_cache_dir()),
-                          SessionStore(512, 8 << 30, 0), max_draft_tokens=32)
+    from specdec.engine import fast_linears
+
+    loaded = load_hf(args.target, "float32", "cpu", default_cache_dir())
+    # the row-major weights stay only when other kernels are compared (the service frees them)
+    fast_linears(loaded.model, keep_row_major=args.kernels != ["packed"])
+    engine = TargetEngine(loaded, SessionStore(512, 8 << 30, 0), max_draft_tokens=32)
     fast = engine.lm.fast_linears
     default = fast.kernel
     missing = [k for k in args.kernels if k not in fast.kernels]

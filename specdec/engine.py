@@ -114,7 +114,8 @@ def _onednn_pack() -> Any:
 
 
 class _FastLinears:
-    """Faster CPU fp32 ``nn.Linear`` for the few-row forwards of decoding and verification.
+    """Faster CPU fp32 ``nn.Linear`` (and GPT-2's ``Conv1D``) for the few-row forwards of decoding
+    and verification.
 
     A verify of k draft tokens is a forward of k + 1 rows; speculation pays only if it costs little
     more than a plain step of one row. Stock ``F.linear`` grows steeply with the rows (MKL takes a
@@ -123,7 +124,10 @@ class _FastLinears:
     (``kernel = "packed"``): all of the embedded target's linears then cost about the same for 1 to
     9 rows (~35-40 ms on 2 cores, against 57 ms for one row and 63-87 ms for nine through the stock
     kernels), and a row's sums do not depend on the other rows of the pass, so a verify computes
-    bit for bit what plain steps would. The packed copy costs the weights' size again in memory.
+    bit for bit what plain steps would. The row-major weight is then freed (unless
+    ``keep_row_major``, for A/B measurements) and the packed one serves every call of that layer,
+    inside :meth:`active` or not; a weight other modules share (an lm_head tied to the input
+    embeddings) stays, so that one costs its size again.
 
     Without the prepack op (``kernel = "onednn"``): oneDNN on the row-major weight from
     ONEDNN_MIN_ROWS rows, MKL's ``(W @ x.T).T`` below (a single row duplicated to two), which
@@ -134,41 +138,66 @@ class _FastLinears:
     """
 
     @classmethod
-    def of(cls, model: Any, pack: bool = True) -> _FastLinears:
-        """The model's one instance (engines may share a model object; wrap its layers once).
-        ``pack``: pack the weights where this build can (the first caller decides)."""
+    def of(cls, model: Any, pack: bool = True, keep_row_major: bool = False) -> _FastLinears:
+        """The model's one instance (engines may share a model object; wrap its layers once; the
+        first caller's options hold). ``pack``: pack the weights where this build can;
+        ``keep_row_major``: keep the row-major weights too (for comparing kernels)."""
         fast = getattr(model, "_specdec_fast_linears", None)
         if not isinstance(fast, cls):
-            fast = cls(model, pack)
+            fast = cls(model, pack, keep_row_major)
             model._specdec_fast_linears = fast
         return fast
 
-    def __init__(self, model: Any, pack: bool = True) -> None:
+    def __init__(self, model: Any, pack: bool = True, keep_row_major: bool = False) -> None:
         self._local = threading.local()
         self.count = 0
         self._onednn = _onednn_linear()
         pack = _onednn_pack() if pack else None
         self.kernel = "packed" if pack is not None else "onednn" if self._onednn is not None else "mkl"
         self._packed: dict[int, torch.Tensor] = {}
+        self._released: set[int] = set()  # layers whose row-major weight was freed: packed only
+        holders: dict[int, int] = {}  # weight storage -> modules holding it (tied embeddings, shared layers)
         for module in model.modules():
-            if type(module) is torch.nn.Linear and module.weight.device.type == "cpu" \
-                    and module.weight.dtype == torch.float32:
-                if pack is not None:
-                    with torch.inference_mode():
-                        self._packed[id(module)] = pack(module.weight.detach(), PACK_ROWS_HINT)
-                # An instance attribute shadows nn.Linear.forward for this module only.
-                module.forward = functools.partial(self._forward, module, module.forward)
-                self.count += 1
+            for param in module.parameters(recurse=False):
+                holders[param.data_ptr()] = holders.get(param.data_ptr(), 0) + 1
+        self._conv1d: set[int] = set()  # GPT-2's Conv1D layers (weight [in, out]): packed kernel only
+        for module in model.modules():
+            weight = _linear_weight(module)
+            if weight is None:
+                continue
+            if type(module) is not torch.nn.Linear:
+                self._conv1d.add(id(module))
+            if pack is not None:
+                with torch.inference_mode():
+                    self._packed[id(module)] = pack(weight.contiguous(), PACK_ROWS_HINT)
+                if not keep_row_major and holders[module.weight.data_ptr()] == 1:
+                    # An empty placeholder keeps the attribute's dtype and device for whoever asks.
+                    module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+                    self._released.add(id(module))
+            # An instance attribute shadows the class's forward for this module only.
+            module.forward = functools.partial(self._forward, module, module.forward)
+            self.count += 1
+
+    @property
+    def released(self) -> int:
+        """Layers served by their packed weight alone (the row-major one freed)."""
+        return len(self._released)
 
     @property
     def kernels(self) -> tuple[str, ...]:
-        """The kernels this build can run, fastest first."""
+        """The kernels this model can run now, fastest first (packed only once weights are freed)."""
+        if self._released:
+            return ("packed",)
         return KERNELS[KERNELS.index(self.kernel):] if self._onednn is not None else ("mkl",)
 
     def active(self) -> _FastLinearsScope:
         return _FastLinearsScope(self._local)
 
     def _forward(self, module: torch.nn.Linear, stock: Any, x: torch.Tensor) -> torch.Tensor:
+        if id(module) in self._released:  # no row-major weight left: the packed one, always
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+            y = self._onednn(x2, self._packed[id(module)], module.bias, "none", [], "")
+            return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         if not getattr(self._local, "on", False) or x.dim() < 2:
             return stock(x)
         x2 = x.reshape(-1, x.shape[-1])
@@ -178,7 +207,7 @@ class _FastLinears:
         if self.kernel == "packed":
             y = self._onednn(x2.contiguous(), self._packed[id(module)], module.bias, "none", [], "")
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        if rows > FAST_LINEAR_MAX_ROWS:
+        if rows > FAST_LINEAR_MAX_ROWS or id(module) in self._conv1d:
             return stock(x)
         if self.kernel == "onednn" and rows >= ONEDNN_MIN_ROWS:
             y = self._onednn(x2.contiguous(), module.weight, module.bias, "none", [], "")
@@ -190,6 +219,24 @@ class _FastLinears:
         if module.bias is not None:
             y += module.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _linear_weight(module: Any) -> torch.Tensor | None:
+    """The weight of a fp32 CPU linear layer as [out, in] (``nn.Linear``'s layout; transformers'
+    ``Conv1D``, GPT-2's, stores [in, out]), or None for any other module."""
+    if type(module) is torch.nn.Linear:
+        weight = module.weight.detach()
+    elif type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None \
+            and module.weight.dim() == 2:
+        weight = module.weight.detach().T
+    else:
+        return None
+    return weight if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+
+
+def fast_linears(model: Any, pack: bool = True, keep_row_major: bool = False) -> _FastLinears:
+    """The model's fast linear layers (see :class:`_FastLinears`); the first call wraps them."""
+    return _FastLinears.of(model, pack, keep_row_major)
 
 
 class _FastLinearsScope:
@@ -238,7 +285,8 @@ class CachedCausalLM:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.fast_linears = _FastLinears.of(model, pack_weights)
-        logger.info("%d fp32 linear layers on the %s kernel", self.fast_linears.count, self.fast_linears.kernel)
+        logger.info("%d fp32 linear layers on the %s kernel (%d served by their packed weight alone)",
+                    self.fast_linears.count, self.fast_linears.kernel, self.fast_linears.released)
         self.geometry = kv_geometry(model)
         layers, kv_heads, head_dim = self.geometry
         self.bytes_per_token = 2 * layers * kv_heads * head_dim * param.element_size()

@@ -29,7 +29,7 @@ class TargetSettings(ModelServiceSettings):
     )
     pack_weights: bool = Field(
         True, description="Pack the fp32 linear weights once, at load, for oneDNN: a verify of up to ~9 rows then costs "
-                          "about one plain step, and a row computes the same whatever rows share its pass. Costs the "
-                          "weights' size again in memory (the embedded target: ~0.5 GB); false keeps the stock "
-                          "kernels (docs/performance.md)."
+                          "about one plain step, and a row computes the same whatever rows share its pass. The packed "
+                          "copy is new memory (the embedded target: +0.53 GB); the row-major weights are then "
+                          "no longer read; false keeps the stock kernels (docs/performance.md)."
     )

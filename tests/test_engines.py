@@ -222,11 +222,15 @@ def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
 
     from specdec.engine import ONEDNN_MIN_ROWS
 
-    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
+    from specdec.engine import fast_linears
+
+    loaded = load_hf(tiny_models["llama-target"])
+    fast_linears(loaded.model, keep_row_major=True)  # to compare kernels, as evaluation.batchcost does
+    engine = TargetEngine(loaded, SessionStore(2, 1 << 30, 0))
     fast = engine.lm.fast_linears
     if fast.kernels[0] != "packed":
         pytest.skip("this torch build has no oneDNN weight prepack")
-    assert fast.kernels == ("packed", "onednn", "mkl")
+    assert fast.kernels == ("packed", "onednn", "mkl") and fast.released == 0
     calls: list[tuple[int, bool]] = []
     onednn = fast._onednn
     fast._onednn = lambda x, w, *rest: (calls.append((x.shape[0], w.is_mkldnn)), onednn(x, w, *rest))[1]
@@ -246,6 +250,35 @@ def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
         assert calls == expected, kernel
         linear(torch.randn(1, 9, linear.in_features))  # not inside a forward of the engine: stock
         assert calls == expected, kernel
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_packed_layers_free_their_row_major_weights_and_keep_their_outputs(tiny_models, arch):
+    """By default each packed layer drops its row-major weight (a tied lm_head keeps it: the input
+    embeddings hold it) and serves every call from the packed one, inside an engine's forward or
+    not (``generate``); the outputs are those of the model that kept its weights, bit for bit."""
+    import torch
+
+    from specdec.engine import fast_linears
+
+    kept = load_hf(tiny_models[f"{arch}-target"])
+    fast_linears(kept.model, keep_row_major=True)
+    engine = TargetEngine(load_hf(tiny_models[f"{arch}-target"]), SessionStore(2, 1 << 30, 0))
+    fast = engine.lm.fast_linears
+    if fast.kernel != "packed":
+        pytest.skip("this torch build has no oneDNN weight prepack")
+    model = engine.lm.model
+    # nn.Linear, and GPT-2's Conv1D (weight [in, out])
+    linears = [m for m in model.modules() if type(m).__name__ in ("Linear", "Conv1D")]
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert fast.count == len(linears) and fast.released == fast.count - (1 if tied else 0) > 0
+    assert all(m.weight.numel() == 0 for m in linears if not (tied and m is model.get_output_embeddings()))
+    ids = torch.tensor([[5, 9, 2, 7, 1]])
+    with torch.inference_mode(), fast.active(), fast_linears(kept.model).active():
+        assert torch.equal(model(input_ids=ids).logits, kept.model(input_ids=ids).logits)
+    with torch.inference_mode():  # and those of the stock kernels, to rounding
+        assert torch.allclose(model(input_ids=ids).logits, kept.model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 9)
 
 
 def test_pack_weights_false_keeps_the_row_major_kernels(tiny_models):
