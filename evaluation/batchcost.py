@@ -58,12 +58,11 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
+    from specdec.engine import fast_linears
     from specdec.models import load_hf
     from specdec.sessions import SessionStore
     from specdec.settings import default_cache_dir
     from target_service.engine import TargetEngine
-
-    from specdec.engine import fast_linears
 
     loaded = load_hf(args.target, "float32", "cpu", default_cache_dir())
     # the row-major weights stay only when other kernels are compared (the service frees them)

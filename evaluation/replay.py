@@ -90,7 +90,7 @@ def interpolate(points: dict[int, float]) -> Callable[[int], float]:
     def at(rows: int) -> float:
         if rows <= xs[0]:
             return points[xs[0]]
-        for lo, hi in zip(xs, xs[1:]):
+        for lo, hi in zip(xs, xs[1:], strict=False):
             if rows <= hi:
                 return points[lo] + (points[hi] - points[lo]) * (rows - lo) / (hi - lo)
         return points[xs[-1]]

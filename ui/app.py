@@ -130,7 +130,7 @@ def decoding_controls(defaults: dict[str, Any]) -> dict[str, Any]:
     left, right = st.columns(2)
     k = left.number_input("k", min_value=0, max_value=64, value=int(defaults.get("k", 4)), key="k",
                           help="Initial draft length (constant for the 'fixed' controller).")
-    max_k = right.number_input("max k", min_value=1, max_value=64, value=int(defaults.get("max_k", 8)),
+    max_k = right.number_input("max k", min_value=1, max_value=64, value=int(defaults.get("max_k", 16)),
                                key="max_k", help="Largest draft length an adaptive controller may pick.")
     threshold = st.slider("Confidence threshold", 0.0, 1.0, float(defaults.get("confidence_threshold", 0.1)),
                           0.05, key="threshold",
