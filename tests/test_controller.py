@@ -372,6 +372,25 @@ def test_cost_prices_a_long_k_at_the_draft_length_it_is_expected_to_reach():
     assert c.last_choice[8] > 1.25 * (1 + drafted) / (50 + 9 + 2 + 12 * 8)
 
 
+def test_positions_seldom_reached_inherit_the_acceptance_of_those_before_them():
+    """Drafts of 8 fail at position 1 two times in three and otherwise run through: positions
+    9-16, never reached, are priced like position 8 (~1), not at alpha, so a controller allowed 16
+    tokens drafts that far when a token is cheap."""
+    costs = CostModel(decay=1.0)
+    for rows in (1, 9, 17):
+        costs.observe_verify(rows - 1, 50.0 + rows)
+    for k in (2, 8):
+        costs.observe_draft(k, 2.0 + 4.0 * k)
+    c = CostController(8, 16, costs)
+    for step in range(60):
+        accepted = 0 if step % 3 else 8
+        c.observe(StepObservation(k=8, proposed=8, accepted=accepted, draft_ms=34, verify_ms=59))
+    assert c.alpha < 0.9
+    assert c.acceptance_at(1) == c.alpha  # its own rate (1/3) is below alpha
+    assert c.acceptance_at(12) == pytest.approx(c.acceptance_at(8), abs=0.02) and c.acceptance_at(12) > 0.95
+    assert c.next_k() == 16
+
+
 def test_a_stale_draft_cost_is_explored_again(monkeypatch):
     """A burst of slow Proposes priced drafting out (k = 0); no Propose confirms the cost after
     that, so once it is older than DRAFT_COST_TTL_S the controller drafts again to re-measure."""
