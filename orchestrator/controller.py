@@ -474,8 +474,9 @@ class CostController(Controller):
         return out
 
     def survival(self, n: int) -> list[float]:
-        """[chance that draft tokens 1..j are all accepted, for j = 0..n] (j = 0: 1). Expected
-        tokens of a step drafting k are ``sum(survival(k))``: the accepted draft plus the target's own."""
+        """[chance that draft tokens 1..j are all accepted once drafted, for j = 0..n] (j = 0: 1).
+        A step asking for k is expected to land ``sum(reach(k)[j] * survival(k)[j])`` tokens: the
+        accepted draft plus the target's own."""
         out = [1.0]
         for a in self.acceptances(n):
             out.append(out[-1] * a)
@@ -533,19 +534,21 @@ class CostController(Controller):
             rejected = 1 if step.accepted < step.proposed else 0
             self.successes = self.decay * self.successes + step.accepted
             self.failures = self.decay * self.failures + rejected
-            d = self.POSITION_DECAY
-            for j in range(1, len(self.reached)):
-                self.reached[j] *= d
-                self.passed[j] *= d
-            for j in range(1, min(step.proposed, step.accepted + 1, len(self.reached) - 1) + 1):
-                self.reached[j] += 1
-                self.passed[j] += 1 if j <= step.accepted else 0
-            for j in range(2, len(self.could_continue)):
-                self.could_continue[j] *= d
-                self.continued[j] *= d
-            for j in range(2, min(step.k, step.proposed + 1, len(self.could_continue) - 1) + 1):
-                self.could_continue[j] += 1
-                self.continued[j] += 1 if j <= step.proposed else 0
+            # positions the draft reached with all before accepted, and those accepted too
+            self._tally(self.reached, self.passed, 1, min(step.proposed, step.accepted + 1), step.accepted)
+            # positions it was asked for and could go on to, and those it drafted
+            self._tally(self.could_continue, self.continued, 2, min(step.k, step.proposed + 1), step.proposed)
+
+    def _tally(self, tried: list[float], hits: list[float], first: int, last: int, last_hit: int) -> None:
+        """Decay per-position counts, then count positions first..last as tried and those up to
+        ``last_hit`` as hits."""
+        d = self.POSITION_DECAY
+        for j in range(first, len(tried)):
+            tried[j] *= d
+            hits[j] *= d
+        for j in range(first, min(last, len(tried) - 1) + 1):
+            tried[j] += 1
+            hits[j] += 1 if j <= last_hit else 0
 
 
 def make_controller(name: str, k: int, max_k: int, costs: CostModel | None = None) -> Controller:

@@ -137,8 +137,9 @@ class _FastLinears:
     ONEDNN_MIN_ROWS rows, MKL's ``(W @ x.T).T`` below (a single row duplicated to two), which
     streams the row-major weight faster than its one-row gemv. ``"mkl"``: that at any row count
     (for A/B measurements, ``evaluation.batchcost --kernels``). Only the summation blocking differs
-    from the stock kernel (~1e-6 relative). Active only inside :meth:`active` (per thread), so
-    other users of the same model object (``generate``, tests) keep the stock kernels.
+    from the stock kernel (~1e-6 relative). These (and packed layers that kept their row-major
+    weight) are active only inside :meth:`active` (per thread), so other users of the same model
+    object (``generate``, tests) keep the stock kernels.
     """
 
     @classmethod
@@ -160,7 +161,6 @@ class _FastLinears:
         self.kernel = "packed" if pack is not None else "onednn" if self._onednn is not None else "mkl"
         self._packed: dict[int, torch.Tensor] = {}
         self._released: set[int] = set()  # layers whose row-major weight was freed: packed only
-        self.pad_rows = PACK_PAD_ROWS
         holders: dict[int, int] = {}  # weight storage -> modules holding it (tied embeddings, shared layers)
         for module in model.modules():
             for param in module.parameters(recurse=False):
@@ -185,8 +185,8 @@ class _FastLinears:
 
     def _packed_forward(self, module: Any, x2: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         rows = x2.shape[0]
-        if 0 < rows < self.pad_rows:  # see PACK_PAD_ROWS
-            x2 = torch.cat((x2, x2.new_zeros(self.pad_rows - rows, x2.shape[1])))
+        if 0 < rows < PACK_PAD_ROWS:
+            x2 = torch.cat((x2, x2.new_zeros(PACK_PAD_ROWS - rows, x2.shape[1])))
         y = self._onednn(x2.contiguous(), self._packed[id(module)], module.bias, "none", [], "")
         return y[:rows].reshape(*shape[:-1], y.shape[-1])
 
