@@ -205,6 +205,60 @@ class CostCurve:
         return max(y0 + max(slope, 0.0) * (x - x0), 0.1)
 
 
+class DraftHistory:
+    """How drafts fared, per draft position: decayed counts shared by every request of a process
+    (see :class:`CostController`), so a new request starts from what the pair has been doing rather
+    than from a blind prior.
+
+    ``reached[j]``/``passed[j]``: steps whose draft reached position j with every token before it
+    accepted, and those that accepted j too; ``could_continue[j]``/``continued[j]``: drafts asked
+    for j or more that got to j - 1, and those that drafted j too; ``successes``/``failures``:
+    accepted tokens and rejections (alpha's counts)."""
+
+    SIZE = 66  # positions 0..65: max_k is at most 64, and the overlapped guess is one more
+
+    def __init__(self, size: int = SIZE) -> None:
+        self.reached = [0.0] * size
+        self.passed = [0.0] * size
+        self.could_continue = [0.0] * size
+        self.continued = [0.0] * size
+        self.successes = self.failures = 0.0
+
+    def record(self, step: StepObservation, decay: float, position_decay: float) -> None:
+        """Count one step that proposed a draft."""
+        self.successes = decay * self.successes + step.accepted
+        self.failures = decay * self.failures + (1 if step.accepted < step.proposed else 0)
+        # positions the draft reached with all before accepted, and those accepted too
+        _tally(self.reached, self.passed, position_decay, 1, min(step.proposed, step.accepted + 1), step.accepted)
+        # positions it was asked for and could go on to, and those it drafted
+        _tally(self.could_continue, self.continued, position_decay, 2, min(step.k, step.proposed + 1), step.proposed)
+
+    def seed(self, size: int, alpha_weight: float, position_weight: float) -> DraftHistory:
+        """A copy of ``size`` positions scaled down to a prior: alpha's counts to ``alpha_weight``
+        pseudo-tokens, each pair of position counts to at most ``position_weight`` pseudo-steps."""
+        out = DraftHistory(size)
+        total = self.successes + self.failures
+        if total > 0:
+            out.successes, out.failures = (alpha_weight * self.successes / total, alpha_weight * self.failures / total)
+        for tried, hits, own_tried, own_hits in ((self.reached, self.passed, out.reached, out.passed),
+                                                  (self.could_continue, self.continued, out.could_continue, out.continued)):
+            scale = min(1.0, position_weight / max(max(tried), 1e-9))
+            for j in range(min(size, len(tried))):
+                own_tried[j], own_hits[j] = tried[j] * scale, hits[j] * scale
+        return out
+
+
+def _tally(tried: list[float], hits: list[float], decay: float, first: int, last: int, last_hit: int) -> None:
+    """Decay per-position counts, then count positions first..last as tried and those up to
+    ``last_hit`` as hits."""
+    for j in range(first, len(tried)):
+        tried[j] *= decay
+        hits[j] *= decay
+    for j in range(first, min(last, len(tried) - 1) + 1):
+        tried[j] += 1
+        hits[j] += 1 if j <= last_hit else 0
+
+
 class CostModel:
     """Running estimates of what a step costs, in milliseconds of wall time as the client sees it,
     as functions of the load the model services batch together.
@@ -246,6 +300,7 @@ class CostModel:
 
     def __init__(self, decay: float = 0.9, share_decay: float = 0.8, shared_host_max_streams: int = 0) -> None:
         self.shared_host_max_streams = shared_host_max_streams
+        self.history = DraftHistory()  # how drafts fared, across every request sharing this model
         self.verify = CostCurve(decay)  # wall ms of Verify by token rows of its forward pass
         self.draft_step = LinearFit(decay)  # wall ms per draft step (the call's fixed cost aside) by sessions per step
         self.draft_call = LinearFit(decay)  # wall ms of a Propose by tokens proposed: intercept = fixed cost per call
@@ -410,21 +465,35 @@ class CostController(Controller):
         self.costs = costs or CostModel()
         self.decay = decay
         self.probe_every = probe_every
-        # pseudo-counts of accepted tokens and rejections: prior alpha = 0.8
-        self.successes, self.failures = 4.0, 1.0
-        # per draft position j (1-based): decayed counts of steps whose draft reached j with every
-        # token before it accepted, and of those that accepted j too
-        self.reached = [0.0] * (max_k + 2)
-        self.passed = [0.0] * (max_k + 2)
-        # per position j >= 2: decayed counts of drafts asked for j or more that got to j - 1, and
-        # of those that drafted j too (the rest stopped early)
-        self.could_continue = [0.0] * (max_k + 2)
-        self.continued = [0.0] * (max_k + 2)
+        # This request's own counts (see DraftHistory), starting from the process's history scaled
+        # down to a prior; with no history yet, alpha's prior is 0.8 (4 accepted, 1 rejection).
+        own = self.costs.history.seed(max_k + 2, self.ALPHA_PRIOR, self.HISTORY_PRIOR)
+        if own.successes + own.failures == 0:
+            own.successes, own.failures = 4.0, 1.0
+        self.own = own
         self._plain_steps = 0
         self.last_choice: dict[int, float] = {}  # expected tokens/ms by k at the last decision
 
     POSITION_DECAY = 0.95  # per step with a draft: position counts fill slower than alpha's
     POSITION_PRIOR = 2.0  # pseudo-steps at alpha behind each position's own count
+    ALPHA_PRIOR = 5.0  # pseudo-tokens of alpha a request starts with
+    HISTORY_PRIOR = 4.0  # at most this many pseudo-steps per position taken from earlier requests
+
+    @property
+    def successes(self) -> float:
+        return self.own.successes
+
+    @successes.setter
+    def successes(self, value: float) -> None:
+        self.own.successes = value
+
+    @property
+    def failures(self) -> float:
+        return self.own.failures
+
+    @failures.setter
+    def failures(self, value: float) -> None:
+        self.own.failures = value
 
     @property
     def alpha(self) -> float:
@@ -451,8 +520,8 @@ class CostController(Controller):
         out: list[float] = []
         prior = alpha
         for j in range(1, n + 1):
-            reached = self.reached[j] if j < len(self.reached) else 0.0
-            passed = self.passed[j] if j < len(self.passed) else 0.0
+            reached = self.own.reached[j] if j < len(self.own.reached) else 0.0
+            passed = self.own.passed[j] if j < len(self.own.passed) else 0.0
             prior = max((passed + self.POSITION_PRIOR * prior) / (reached + self.POSITION_PRIOR), alpha)
             out.append(prior)
         return out
@@ -462,8 +531,8 @@ class CostController(Controller):
         too (j = 1: always); a prior of POSITION_PRIOR drafts that never stop early."""
         if j <= 1:
             return 1.0
-        asked = self.could_continue[j] if j < len(self.could_continue) else 0.0
-        went = self.continued[j] if j < len(self.continued) else 0.0
+        asked = self.own.could_continue[j] if j < len(self.own.could_continue) else 0.0
+        went = self.own.continued[j] if j < len(self.own.continued) else 0.0
         return (went + self.POSITION_PRIOR) / (asked + self.POSITION_PRIOR)
 
     def reach(self, n: int) -> list[float]:
@@ -531,24 +600,8 @@ class CostController(Controller):
                 self.costs.observe_draft(step.proposed, step.draft_ms, step.draft_catch_up, step.draft_sessions,
                                          step.draft_step_cpu_ms)
         if step.proposed:
-            rejected = 1 if step.accepted < step.proposed else 0
-            self.successes = self.decay * self.successes + step.accepted
-            self.failures = self.decay * self.failures + rejected
-            # positions the draft reached with all before accepted, and those accepted too
-            self._tally(self.reached, self.passed, 1, min(step.proposed, step.accepted + 1), step.accepted)
-            # positions it was asked for and could go on to, and those it drafted
-            self._tally(self.could_continue, self.continued, 2, min(step.k, step.proposed + 1), step.proposed)
-
-    def _tally(self, tried: list[float], hits: list[float], first: int, last: int, last_hit: int) -> None:
-        """Decay per-position counts, then count positions first..last as tried and those up to
-        ``last_hit`` as hits."""
-        d = self.POSITION_DECAY
-        for j in range(first, len(tried)):
-            tried[j] *= d
-            hits[j] *= d
-        for j in range(first, min(last, len(tried) - 1) + 1):
-            tried[j] += 1
-            hits[j] += 1 if j <= last_hit else 0
+            self.own.record(step, self.decay, self.POSITION_DECAY)
+            self.costs.history.record(step, self.decay, self.POSITION_DECAY)
 
 
 def make_controller(name: str, k: int, max_k: int, costs: CostModel | None = None) -> Controller:

@@ -391,6 +391,34 @@ def test_positions_seldom_reached_inherit_the_acceptance_of_those_before_them():
     assert c.next_k() == 16
 
 
+def test_a_new_request_starts_from_what_earlier_requests_of_the_pair_did():
+    """Requests share the cost model's draft history: after one request saw long drafts accepted,
+    the next one drafts long from its first step, where a request with no history starts from
+    alpha's prior of 0.8 and drafts shorter. The new request's own counts weigh at most
+    HISTORY_PRIOR steps, so its own text takes over quickly."""
+    def costs_model() -> CostModel:
+        costs = CostModel(decay=1.0)
+        for rows in (1, 9, 17):
+            costs.observe_verify(rows - 1, 50.0 + rows)
+        for k in (2, 8):
+            costs.observe_draft(k, 2.0 + 8.0 * k)
+        return costs
+
+    shared = costs_model()
+    first = CostController(4, 16, shared)
+    for _ in range(30):
+        k = 16
+        first.observe(StepObservation(k=k, proposed=k, accepted=k, draft_ms=2 + 8.0 * k, verify_ms=50.0 + k))
+    second = CostController(4, 16, shared)
+    blind = CostController(4, 16, costs_model())
+    assert second.alpha > 0.95 and blind.alpha == pytest.approx(0.8)
+    assert second.next_k() == 16 and blind.next_k() < 16
+    assert max(second.own.reached) <= CostController.HISTORY_PRIOR + 1e-9
+    for _ in range(10):  # its own text fails at the first token every time
+        second.observe(StepObservation(k=4, proposed=4, accepted=0, draft_ms=34, verify_ms=55))
+    assert second.alpha < 0.5
+
+
 def test_a_stale_draft_cost_is_explored_again(monkeypatch):
     """A burst of slow Proposes priced drafting out (k = 0); no Propose confirms the cost after
     that, so once it is older than DRAFT_COST_TTL_S the controller drafts again to re-measure."""
