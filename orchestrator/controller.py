@@ -446,7 +446,9 @@ class CostController(Controller):
     so it notices when the text becomes predictable again.
 
     Costs are properties of the deployment, not of the text, so the orchestrator passes one
-    process-wide :class:`CostModel` to every request's controller; acceptance stays per request.
+    process-wide :class:`CostModel` to every request's controller. Acceptance depends on the text,
+    so each request counts its own, starting from the pair's recent record across requests
+    (``CostModel.history``) scaled down to a prior of at most HISTORY_PRIOR steps.
 
     Overlapped (``overlap`` set by the loop for the step, see orchestrator.loop): the draft of block i + 1 (k + 1 tokens,
     the first a guess of the bonus token) runs while block i is verified. With probability
