@@ -482,24 +482,8 @@ class CostController(Controller):
     HISTORY_PRIOR = 4.0  # at most this many pseudo-steps per position taken from earlier requests
 
     @property
-    def successes(self) -> float:
-        return self.own.successes
-
-    @successes.setter
-    def successes(self, value: float) -> None:
-        self.own.successes = value
-
-    @property
-    def failures(self) -> float:
-        return self.own.failures
-
-    @failures.setter
-    def failures(self, value: float) -> None:
-        self.own.failures = value
-
-    @property
     def alpha(self) -> float:
-        return self.successes / (self.successes + self.failures)
+        return self.own.successes / (self.own.successes + self.own.failures)
 
     def acceptance_at(self, j: int) -> float:
         """Chance that draft token j (1-based) is accepted when tokens 1..j-1 were (see

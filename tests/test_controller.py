@@ -66,7 +66,7 @@ def test_expected_tokens_without_position_counts_are_geometric():
     alpha^j, and a step drafting k is expected to land sum(alpha^j, j = 0..k) tokens."""
     for successes, failures in ((0.0, 1.0), (1.0, 0.0), (1.0, 1.0)):
         c = CostController(4, 8)
-        c.successes, c.failures = successes, failures
+        c.own.successes, c.own.failures = successes, failures
         alpha = c.alpha
         assert sum(c.survival(5)) == pytest.approx(geometric_tokens(alpha, 5))
     assert sum(c.survival(2)) == pytest.approx(1.75)
@@ -201,7 +201,7 @@ def _cpu_bound_costs(target_host, draft_host, streams=16):
     m.set_hosts(target_host, draft_host, own=None)
     m.streams = streams
     c = CostController(4, 8, m)
-    c.successes, c.failures = 90.0, 10.0  # alpha 0.9
+    c.own.successes, c.own.failures = 90.0, 10.0  # alpha 0.9
     return m, c
 
 
@@ -314,7 +314,7 @@ def test_verify_cost_follows_a_curve_not_a_line():
     for k in (2, 4, 8):
         m.observe_draft(k, 8.0 * k)
     c = CostController(4, 8, m)
-    c.successes, c.failures = 95.0, 5.0
+    c.own.successes, c.own.failures = 95.0, 5.0
     assert c.next_k() == 8
 
 
