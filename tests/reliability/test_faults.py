@@ -204,6 +204,17 @@ def fallbacks(outcomes: list[Outcome]) -> int:
     return sum(1 for o in outcomes for s in o.steps if s.get("draft_error"))
 
 
+def counted_fallbacks(outcomes: list[Outcome]) -> int:
+    """Draft failures the requests' final stats count. A background catch-up that fails after its
+    request's last step has no step left to report it on (the request no longer needed the draft),
+    but its stats count it."""
+    total = 0
+    for o in outcomes:
+        final = o.done if o.events else o.body if isinstance(o.body, dict) else None
+        total += int(((final or {}).get("stats") or {}).get("draft_fallbacks", 0))
+    return total
+
+
 def record(name: str, outcomes: list[Outcome], **figures) -> None:
     statuses: dict[str, int] = {}
     for o in outcomes:
@@ -271,7 +282,7 @@ def test_draft_link_fault_keeps_every_output(healthy, fault):
     record(f"draft link {fault}", outcomes, steps_without_draft_after_failure=fallbacks(outcomes),
            longest_draft_wait_ms=round(wait), speculation_resumed_after_heal_s=None if resumed is None else round(resumed, 2))
     assert_identical_200s(stack, outcomes)
-    assert fallbacks(outcomes) >= 1, "the fault was not felt"
+    assert fallbacks(outcomes) >= 1 or counted_fallbacks(outcomes) >= 1, "the fault was not felt"
     assert wait <= (DRAFT_TIMEOUT_S + SLACK_S) * 1e3, f"a step waited {wait:.0f} ms for the draft"
     assert resumed is not None and resumed <= DRAFT_RETRY_S + 5, f"speculation resumed after {resumed} s"
 
