@@ -30,7 +30,7 @@ def start_run(module: str, argv: list[str] | None, out: Path | None, prefix: str
     out = out or RESULTS_ROOT / datetime.now().strftime(f"{prefix}%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     args = sys.argv[1:] if argv is None else argv
-    return out, f"python -m {module} " + " ".join(shlex.quote(a) for a in args)
+    return out, " ".join(["python", "-m", module, *(shlex.quote(a) for a in args)])
 
 
 def fmt(value: Any, digits: int = 1, suffix: str = "") -> str:
