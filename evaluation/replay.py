@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report
+from orchestrator.controller import CostCurve
 
 logger = logging.getLogger("evaluation.replay")
 
@@ -81,20 +82,6 @@ def replay(output: Sequence[int], proposals: Sequence[Proposal], k: int, thresho
         r.cost_ms += pass_ms(len(draft) + 1) + len(draft) * draft_token_ms + overhead_ms
         s += accepted + 1
     return r
-
-
-def interpolate(points: dict[int, float]) -> Callable[[int], float]:
-    """Cost by rows from measured points, linear between them, flat beyond."""
-    xs = sorted(points)
-
-    def at(rows: int) -> float:
-        if rows <= xs[0]:
-            return points[xs[0]]
-        for lo, hi in zip(xs, xs[1:], strict=False):
-            if rows <= hi:
-                return points[lo] + (points[hi] - points[lo]) * (rows - lo) / (hi - lo)
-        return points[xs[-1]]
-    return at
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -168,7 +155,14 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_torch(0)  # as the target service: all cores, bounded spin
     data, pass_points, draft_token_ms = collect(args)
-    pass_ms = interpolate(pass_points)
+    # the orchestrator's own cost curve: linear between measured sizes, never cheaper beyond them
+    curve = CostCurve(decay=1.0)
+    for rows, ms in pass_points.items():
+        curve.add(rows, ms)
+
+    def pass_ms(rows: int) -> float:
+        return curve.predict(rows, 0.0)
+
     plain_ms = pass_ms(1) + args.overhead_ms
     total = sum(len(d["output"]) for d in data)
     rows = []

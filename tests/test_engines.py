@@ -306,6 +306,21 @@ def test_packed_linears_sum_a_row_alike_whatever_rows_surround_it(tiny_models):
                 assert torch.equal(linear(x[-n:]), whole[-n:]), (linear, n)
 
 
+def test_a_build_whose_prepack_fails_keeps_the_row_major_kernels(monkeypatch, tiny_models):
+    import torch
+
+    from specdec import engine as engine_module
+
+    def broken(*args):
+        raise RuntimeError("no prepack in this build")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", broken)
+    assert engine_module._onednn_pack() is None
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
+    assert engine.lm.fast_linears.kernel == "onednn" and engine.lm.fast_linears.released == 0
+    assert engine.verify("s", [1, 2, 3], [4, 5]).num_accepted in range(3)
+
+
 def test_no_onednn_kernel_means_mkl(monkeypatch):
     import torch
 
