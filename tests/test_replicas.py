@@ -174,7 +174,9 @@ def test_target_replica_killed_mid_stream_keeps_the_stream(tmp_path, embedded_st
     t2, p2 = start_model_service("target", tmp_path / "t2")
     orch, url = start_orchestrator(embedded_stack["draft_port"], 0, tmp_path, env={
         "SPECDEC_ORCHESTRATOR_TARGET_ADDRESS": f"127.0.0.1:{p1},127.0.0.1:{p2}",
-        "SPECDEC_ORCHESTRATOR_REPLICA_PROBE_INTERVAL_S": "0.5",
+        # Probes rarer than the stream, so that the stream's own failing call is what finds the
+        # killed replica (a probe that found it first would leave no failover to count).
+        "SPECDEC_ORCHESTRATOR_REPLICA_PROBE_INTERVAL_S": "60",
     })
     replicas = {p1: t1, p2: t2}
     try:
