@@ -96,7 +96,8 @@ def rotation(modes: list[Any], shift: int) -> list[Any]:
 
 # ---- machine description -------------------------------------------------------------------------
 
-def machine_info(threads: int) -> dict[str, Any]:
+def machine_info(threads: int | None = None) -> dict[str, Any]:
+    """The machine, the libraries and (when given) the compute threads of a run."""
     from importlib.metadata import PackageNotFoundError, version
 
     def pkg(name: str) -> str | None:
@@ -120,12 +121,15 @@ def machine_info(threads: int) -> dict[str, Any]:
                 ram_gb = round(int(line.split()[1]) / 1024 / 1024, 1)
     except OSError:
         pass
-    return {
+    info = {
         "cpu": cpu, "cores": os.cpu_count(), "ram_gb": ram_gb, "platform": platform.platform(),
         "python": platform.python_version(), "torch": pkg("torch"), "transformers": pkg("transformers"),
         "llama_cpp_python": pkg("llama_cpp_python"), "threads": threads,
         "load_average_start": list(os.getloadavg()),
     }
+    if threads is None:
+        del info["threads"]
+    return info
 
 
 # ---- running one mode --------------------------------------------------------------------------

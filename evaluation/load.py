@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now().isoformat(timespec="seconds")
     t_start = time.perf_counter()
     # the benchmark runs no model itself, so the in-process thread count means nothing here
-    machine = {k: v for k, v in machine_info(0).items() if k != "threads"}
+    machine = machine_info()
 
     from evaluation.procs import Stack
 

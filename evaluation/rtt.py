@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = select(load_suite(), args.prompts, None)
     started = datetime.now().isoformat(timespec="seconds")
     t_start = time.perf_counter()
-    machine = {k: v for k, v in machine_info(0).items() if k != "threads"}
+    machine = machine_info()
     target_env, draft_env = service_env(args)
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%d replica(s): %d/%d requests completed, %s tok/s, cache share %s, identical %d/%d",
                     replicas, c["completed"], c["requests"], report.fmt(c["tokens_per_second"]), c["cache_share"],
                     c["identical"], c["compared"])
-    machine = {k: v for k, v in machine_info(0).items() if k != "threads"}
+    machine = machine_info()
     results = {"started": started, "command": command, "machine": machine, "configs": configs,
                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     (out / "results.json").write_text(json.dumps(results, indent=1))
