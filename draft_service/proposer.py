@@ -56,6 +56,7 @@ class ProposeJob(CpuAccounted):
     started_ns: int = 0
     steps: int = 0
     sessions_seen: int = 0  # sum over its steps of the sessions in each
+    guess_len: int = 0  # backends that guess ahead by lookup: tokens to guess next (0: not yet)
 
     def begin(self, max_context: int) -> bool:
         """Start drafting (once); False when there is no room to draft at all."""

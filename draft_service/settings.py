@@ -26,6 +26,17 @@ class DraftSettings(ModelServiceSettings):
     )
     metrics_port: int | None = Field(9101, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
     kv_budget_mb: float = Field(256, gt=0, description="KV cache budget in MiB across sessions (LRU eviction).")
+    lookup_ngram: int = Field(
+        3, ge=0,
+        description="llamacpp backend, greedy requests: when the sequence's last n tokens (n >= this) occurred "
+                    "before, the draft decodes what followed them as a guess in the same pass and keeps the part it "
+                    "would have drafted itself, one pass for several tokens on text that repeats (docs/performance.md); "
+                    "0 turns it off.",
+    )
+    lookup_max_tokens: int = Field(
+        16, ge=1, description="llamacpp backend: most guessed tokens in one pass (a guess starts at 2 tokens and "
+                              "doubles while it is taken whole)."
+    )
     ngram_max: int = Field(3, ge=1, description="ngram backend: longest suffix n-gram to look up.")
     ngram_min: int = Field(1, ge=1, description="ngram backend: shortest suffix n-gram to look up.")
     ngram_vocab_size: int = Field(1 << 20, ge=1, description="ngram backend: ids must be below this.")

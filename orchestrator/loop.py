@@ -356,6 +356,11 @@ async def generate(
             elif k > 0 and ready is None and len(seq) - draft_seen > CATCH_UP_IN_BACKGROUND and params.sampling.greedy:
                 if controller.probing:  # a probe is worth a short Propose, not a prefill of everything missed
                     k = 0
+                elif stats.iterations == 0 and limits.draft_shares_host:
+                    # The prompt's prefill goes first, alone: beside the draft's prefill on the same
+                    # cores the first token came 3-4x later than plain decoding's (docs/performance.md).
+                    # The catch-up starts with the next step, beside cheap plain steps.
+                    k = 0
                 else:
                     # plain steps run beside it: it leaves the target its cores
                     catching_up = track(draft.propose(session_id, list(seq), 1, params.confidence_threshold,

@@ -179,3 +179,85 @@ def test_llamacpp_drafts_in_batches_equal_drafts_alone():
     # the sequences stay separate: continuing one session reuses only its own cache
     again = proposer.propose("b0", prompts[0] + together[0].tokens[:2], 2)
     assert again.cached_tokens == len(prompts[0]) + 1
+
+
+def _copy_task(tokenizer) -> list[int]:
+    """A prompt whose continuation copies text from it: lookup guesses have something to find."""
+    text = ("def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+            "    return total / len(values)\n\n\ndef spread(values):\n    low = min(values)\n    high = max(values)\n"
+            "    return high - low\n")
+    return tokenizer(f"Copy this code exactly:\n\n{text}\nThe copy:\n\n{text[:40]}")["input_ids"]
+
+
+@pytest.mark.embedded
+def test_llamacpp_lookup_guesses_draft_what_single_passes_draft(monkeypatch):
+    """Lookup guesses change how many passes a draft takes, not what it drafts: on text that
+    copies the prompt, the draft with guesses equals the draft without, in fewer llama.cpp passes;
+    the cache keeps only what was drafted, so the next call reuses it."""
+    from draft_service.backends.llamacpp import LOOKUP_TOKENS, LlamaCppProposer
+    from specdec.models import embedded_gguf_path, load_tokenizer
+
+    prompt = _copy_task(load_tokenizer("embedded"))
+    on = LlamaCppProposer(str(embedded_gguf_path()), 4, 64 << 20, 0, 16, lookup_ngram=3)
+    off = LlamaCppProposer(str(embedded_gguf_path()), 4, 64 << 20, 0, 16, lookup_ngram=0)
+    passes = {"n": 0}
+    decode = on._ll.llama_decode
+
+    def counted(*args):
+        passes["n"] += 1
+        return decode(*args)
+
+    monkeypatch.setattr(on._ll, "llama_decode", counted)  # one module: counts both proposers' passes
+
+    def taken() -> float:
+        return LOOKUP_TOKENS.labels("taken")._value.get()
+
+    seq_on, seq_off, drafted = list(prompt), list(prompt), 0
+    before = taken()
+    on_passes = off_passes = 0
+    for _ in range(4):
+        passes["n"] = 0
+        a = on.propose("s", seq_on, 16)
+        on_passes += passes["n"]
+        passes["n"] = 0
+        b = off.propose("s", seq_off, 16)
+        off_passes += passes["n"]
+        assert a.tokens == b.tokens and a.stop_reason == b.stop_reason
+        assert a.cached_tokens == b.cached_tokens  # the guessed rows the draft did not keep left the cache
+        seq_on, seq_off, drafted = seq_on + a.tokens, seq_off + b.tokens, drafted + len(a.tokens)
+    assert off_passes == drafted  # one pass per draft token without guesses
+    assert on_passes < 0.7 * drafted and taken() - before > 0.4 * drafted
+    # a call after a guessed draft finds it cached (all but the last drafted token at least)
+    again = on.propose("s", seq_on + [seq_on[-1]], 1)
+    assert again.cached_tokens >= len(seq_on) - 1
+
+
+@pytest.mark.embedded
+def test_llamacpp_guesses_only_for_greedy_jobs_and_batches_them_with_others(monkeypatch):
+    """A sampling job never guesses (its draws must not depend on how passes are cut); a greedy
+    job with a guess shares its pass with others, each drafting as alone."""
+    from draft_service.backends.llamacpp import LOOKUP_TOKENS, LlamaCppProposer
+    from specdec.models import embedded_gguf_path, load_tokenizer
+
+    prompt = _copy_task(load_tokenizer("embedded"))
+    proposer = LlamaCppProposer(str(embedded_gguf_path()), 8, 64 << 20, 0, 16, lookup_ngram=3)
+    guessed = LOOKUP_TOKENS.labels("guessed")
+    start = guessed._value.get()
+    sampled = proposer.propose("t", prompt, 8, 0.0, sm.Sampling(temperature=1.0, seed=3), True)
+    assert sampled.steps == len(sampled.tokens) and guessed._value.get() == start
+    others = [[504, 1296, 3003, 4683, 359], [9000, 42, 17]]
+    alone = [proposer.propose(f"a{i}", p, 12) for i, p in enumerate([prompt, *others])]
+    assert guessed._value.get() > start
+    jobs = [proposer.prepare(f"b{i}", p, 12) for i, p in enumerate([prompt, *others])]
+    taken = LOOKUP_TOKENS.labels("taken")
+    before = taken._value.get()
+    together, steps = _draft_all_in_steps(proposer, jobs)
+    assert taken._value.get() - before >= 4  # the copying job's guesses ran in the shared passes
+    assert together[0].tokens == alone[0].tokens
+    # The others share passes of up to 14 rows with it; llama.cpp may round a row differently in a
+    # larger batch, which can flip a near tie late in a draft (only slower, never wrong): their
+    # drafts start the same.
+    assert all(t.tokens[:4] == a.tokens[:4] and len(t.tokens) == 12 for t, a in zip(together[1:], alone[1:], strict=True))
+    assert steps == 12  # the others still drafted one token per pass
+    again = proposer.propose("b1", others[0] + together[1].tokens[:2], 2)
+    assert again.cached_tokens == len(others[0]) + 1  # each session kept its own cache

@@ -273,7 +273,8 @@ def test_the_first_token_does_not_wait_for_the_draft_prefill(engine, overlap):
                                    target=SlowTarget(engine, 0.02)))
     tokens = [t for s in steps for t in s.tokens]
     assert tokens == reference
-    assert draft.calls[0] == (len(LONG_PROMPT), 1)  # the catch-up: the whole prompt, one token
+    # the catch-up, after the prompt's own pass (same host): the whole prompt and its first token
+    assert draft.calls[0] == (len(LONG_PROMPT) + 1, 1)
     assert stats.draft_catch_ups == 1
     ks = [s.k for s in steps]
     lead = next(i for i, k in enumerate(ks) if k > 0)
@@ -324,7 +325,7 @@ def test_a_failing_catch_up_costs_drafts_not_the_request(engine):
     params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=12, ignore_eos=True)
     steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 4, 8), target=SlowTarget(engine, 0.01)))
     assert [t for s in steps for t in s.tokens] == reference
-    assert draft.calls == [(len(LONG_PROMPT), 1)]  # one catch-up; after its failure no Propose for 1 s
+    assert draft.calls == [(len(LONG_PROMPT) + 1, 1)]  # one catch-up (after the first pass); after its failure no Propose for 1 s
     assert stats.draft_catch_ups == 1 and stats.draft_fallbacks == 1
     assert all(s.k == 0 for s in steps)
     # the step that learnt of the failure reports it, as any step that lost its draft does
@@ -366,3 +367,39 @@ def test_a_propose_yields_cores_while_another_streams_verify_runs(engine, refere
     steps, _ = asyncio.run(run(engine, draft, params, make_controller("fixed", 3, 8)))
     assert [t for s in steps for t in s.tokens] == reference[:8]
     assert draft.yield_cores and all(draft.yield_cores)
+
+
+@pytest.mark.parametrize("shared_host", [True, False])
+async def test_the_prompt_prefill_runs_before_the_drafts_catch_up_on_a_shared_host(engine, shared_host):
+    """A long prompt leaves the draft far behind: it catches up in the background. On the target's
+    host that catch-up waits for the prompt's own pass, which would otherwise share the cores with
+    it (and the first token with them); on another host it starts with the first step."""
+    prompt = PROMPT * 4  # 32 tokens: more than the draft may lag before it catches up apart
+    reference = greedy_reference(engine.lm.model, prompt, 16)
+
+    class CountingTarget(SlowTarget):
+        verifies = 0
+
+        async def verify(self, *args, **kwargs):
+            result = await super().verify(*args, **kwargs)
+            self.verifies += 1
+            return result
+
+    target = CountingTarget(engine)
+
+    class Draft(ScriptedDraft):
+        seen_verifies: list[int] = []  # verifies answered when each Propose was sent
+
+        async def propose(self, *args, **kwargs):
+            self.seen_verifies.append(target.verifies)
+            return await super().propose(*args, **kwargs)
+
+    draft = Draft(reference, set())
+    draft.full = prompt + reference
+    params = GenerationParams(prompt_ids=prompt, max_tokens=16, ignore_eos=True, overlap=False)
+    steps, stats = await run(engine, draft, params, make_controller("fixed", 3, 8), shared_host=shared_host,
+                             target=target)
+    assert [t for s in steps for t in s.tokens] == reference[:16]
+    assert stats.draft_catch_ups == 1 and draft.calls[0] == (len(prompt) + (1 if shared_host else 0), 1)
+    assert draft.seen_verifies[0] == (1 if shared_host else 0)
+    assert steps[0].k == 0 and any(s.k for s in steps)  # speculation still starts once the draft caught up

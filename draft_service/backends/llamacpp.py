@@ -4,16 +4,30 @@ All sessions share one llama.cpp context with a unified KV pool; each session ow
 slot (seq_id) in it. Prefix reuse crops the slot with ``llama_memory_seq_rm`` and decodes only the
 new suffix, exactly like the transformers backends crop their DynamicCache. The pool is sized
 from the KV budget, so the SessionStore's byte accounting is what keeps it from overflowing.
+
+**Lookup guesses** (greedy jobs, ``lookup_ngram`` > 0). When the sequence's last n tokens occurred
+earlier in it, what followed them there is decoded as a guess in the same pass as the job's next
+token, with logits for every guessed row. The draft then picks its tokens exactly as it would one
+pass at a time, and keeps reading the guessed rows while its own token equals the guess: each
+guessed token it would have drafted itself costs a row of a batched pass instead of a pass of its
+own (a pass of 9 rows costs ~4 single ones here). The first wrong guess ends it, and its rows
+leave the cache. A guess starts at 2 tokens and doubles while it is taken whole, so text that does
+not repeat pays at most a 2-row guess per pass when a spurious match turns up. The draft proposed
+is the one drafting one pass at a time gives, up to llama.cpp's rounding in batched passes (which
+the target's verification makes harmless).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
 import numpy as np
 import torch
+from prometheus_client import Counter
 
+from draft_service.backends.ngram import find_continuation
 from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
 from specdec import sampling as sm
 from specdec.engine import ModelInfo
@@ -25,12 +39,18 @@ from specdec.sessions import Session, SessionStore, common_prefix_len
 
 logger = logging.getLogger(__name__)
 
+LOOKUP_TOKENS = Counter("specdec_draft_lookup_tokens_total",
+                        "Tokens guessed by lookup (decoded ahead in a draft pass), and those the draft kept.",
+                        ["outcome"])
+FIRST_GUESS = 2  # tokens of a job's first lookup guess; doubled after each guess taken whole
+
 
 class LlamaCppProposer(Proposer):
     backend = "llamacpp"
 
     def __init__(self, model_path: str, max_sessions: int, kv_budget_bytes: int, ttl_s: float,
-                 max_draft_tokens: int, threads: int = 0, n_batch: int = 512, overlap_threads: int = 1) -> None:
+                 max_draft_tokens: int, threads: int = 0, n_batch: int = 512, overlap_threads: int = 1,
+                 lookup_ngram: int = 3, lookup_max_tokens: int = 16) -> None:
         import llama_cpp
         from llama_cpp import _internals as internals
         from llama_cpp import _logger as llama_logger
@@ -40,6 +60,8 @@ class LlamaCppProposer(Proposer):
 
         self._ll = llama_cpp
         self.model_path = model_path
+        self.lookup_ngram = lookup_ngram
+        self.lookup_max_tokens = lookup_max_tokens
         self.lock = threading.Lock()
         llama_cpp.llama_backend_init()
         self._model = internals.LlamaModel(
@@ -107,7 +129,8 @@ class LlamaCppProposer(Proposer):
     def from_settings(cls, settings) -> LlamaCppProposer:
         return cls(str(resolve_gguf(settings.model)), settings.max_sessions, settings.kv_budget_bytes,
                    settings.session_ttl_s, settings.max_draft_tokens, settings.threads,
-                   overlap_threads=settings.overlap_threads)
+                   overlap_threads=settings.overlap_threads, lookup_ngram=settings.lookup_ngram,
+                   lookup_max_tokens=settings.lookup_max_tokens)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -129,7 +152,7 @@ class LlamaCppProposer(Proposer):
         the tokens its sequence missed. Rows beyond the decode batch (``n_batch``) wait for the
         next step, except a lone long prompt, which is decoded in several passes."""
         chosen, outcomes = batch_of_distinct_sessions(jobs)
-        plan: list[tuple[int, Session, list[int], int]] = []  # (job index, session, sequence, cached)
+        plan: list[_Planned] = []
         used = 0
         with self.lock:
             pinned = {jobs[i].session_id for i in chosen}
@@ -144,6 +167,9 @@ class LlamaCppProposer(Proposer):
                 new = len(seq) - cached
                 if used and used + new > self.n_batch:
                     continue  # the decode batch is full: next step
+                guess = self._guess(job, seq)
+                if used + new + len(guess) > self.n_batch:
+                    guess = []
                 try:
                     if session.cache is None:
                         if not self._free_slots:  # all slots held: the store's count bound makes this rare
@@ -151,58 +177,87 @@ class LlamaCppProposer(Proposer):
                         session.cache = self._free_slots.pop()
                         session.tokens = []
                     # Room first: a refusal here leaves the sequence exactly as it was.
-                    self.store.reserve(session, len(seq) * self.bytes_per_token - session.nbytes, pinned)
+                    self.store.reserve(session, (len(seq) + len(guess)) * self.bytes_per_token - session.nbytes, pinned)
                 except BaseException as exc:  # noqa: BLE001 - that job's error
                     outcomes[i] = exc
                     continue
                 self._ctx.kv_cache_seq_rm(session.cache, cached, -1)
-                self.store.update(session, seq[:cached], len(seq) * self.bytes_per_token)
-                plan.append((i, session, seq, cached))
-                used += new
+                self.store.update(session, seq[:cached], (len(seq) + len(guess)) * self.bytes_per_token)
+                plan.append(_Planned(i, session, seq, cached, guess))
+                used += new + len(guess)
             if not plan:
                 return StepResult(outcomes)
-            self._use_threads(self.overlap_threads if any(jobs[p[0]].yield_cores for p in plan) else self.threads)
+            self._use_threads(self.overlap_threads if any(jobs[p.index].yield_cores for p in plan) else self.threads)
             try:
                 logits = self._decode_groups(plan, jobs)
             except BaseException as exc:
-                for i, session, _, _ in plan:
+                for p in plan:
                     # The sequence's contents are unknown after a failed decode: start it afresh next time.
-                    self._ctx.kv_cache_seq_rm(session.cache, -1, -1)
-                    self.store.reset(session)
-                    outcomes[i] = exc
+                    self._ctx.kv_cache_seq_rm(p.session.cache, -1, -1)
+                    self.store.reset(p.session)
+                    outcomes[p.index] = exc
                 return StepResult(outcomes)
-            for (i, session, seq, cached), row in zip(plan, logits, strict=True):
-                self.store.update(session, seq, len(seq) * self.bytes_per_token)
-                job = jobs[i]
+            for p, rows in zip(plan, logits, strict=True):
+                job = jobs[p.index]
                 if job.cached_tokens < 0:
-                    job.cached_tokens = cached
-                if job.advance(sm.probabilities(row, job.sampling), self._eos, len(plan)):
-                    outcomes[i] = job.proposal()
+                    job.cached_tokens = p.cached
+                before = len(job.drafted)
+                done = self._advance(job, rows, p.guess, len(plan))
+                # The cache keeps the guessed tokens the draft drafted itself; the rest leave it.
+                taken = common_prefix_len(job.drafted[before:], p.guess)
+                if p.guess:
+                    self._ctx.kv_cache_seq_rm(p.session.cache, len(p.seq) + taken, -1)
+                    LOOKUP_TOKENS.labels("guessed").inc(len(p.guess))
+                    LOOKUP_TOKENS.labels("taken").inc(taken)
+                    job.guess_len = min(2 * len(p.guess), self.lookup_max_tokens) if taken == len(p.guess) else FIRST_GUESS
+                kept = p.seq + p.guess[:taken]
+                self.store.update(p.session, kept, len(kept) * self.bytes_per_token)
+                if done:
+                    outcomes[p.index] = job.proposal()
         return StepResult(outcomes, len(plan), used)
+
+    def _guess(self, job: ProposeJob, seq: list[int]) -> list[int]:
+        """Tokens to decode ahead for ``job`` in this pass (see the module doc); [] for none."""
+        if not self.lookup_ngram or not job.sampling.greedy:
+            return []
+        room = job.k - len(job.drafted) - 1  # the pass drafts one token beyond the guess
+        if room <= 0:
+            return []
+        return find_continuation(seq, min(room, job.guess_len or FIRST_GUESS), self.lookup_ngram, self.lookup_ngram)
+
+    def _advance(self, job: ProposeJob, rows: list[torch.Tensor], guess: list[int], batch_sessions: int) -> bool:
+        """Draft from the pass's rows: row j + 1 follows guess[j], so it is read only while every
+        token drafted so far in this pass equals the guess. True when the job is done."""
+        for j, row in enumerate(rows):
+            if job.advance(sm.probabilities(row, job.sampling), self._eos, batch_sessions):
+                return True
+            if j >= len(guess) or job.drafted[-1] != guess[j]:
+                return False
+        return False
 
     def _use_threads(self, n: int) -> None:
         if n != self._threads_now:  # a field of the context: switching costs nothing measurable
             self._ll.llama_set_n_threads(self._ctx.ctx, n, n)
             self._threads_now = n
 
-    def _decode_groups(self, plan: list[tuple[int, Session, list[int], int]], jobs: list[ProposeJob]) -> list[torch.Tensor]:
+    def _decode_groups(self, plan: list[_Planned], jobs: list[ProposeJob]) -> list[list[torch.Tensor]]:
         """Greedy jobs share one decode; each sampling job is decoded on its own. llama.cpp's batched
         kernels change a sequence's logits with the batch around it (draft probabilities moved by up to
         0.06 on the embedded model), which never changes a greedy output but would make a seeded
         sampling request's draws, and so its output, depend on the load."""
-        greedy = [p for p in plan if jobs[p[0]].sampling.greedy]
-        groups = ([greedy] if greedy else []) + [[p] for p in plan if not jobs[p[0]].sampling.greedy]
-        logits: dict[int, torch.Tensor] = {}
+        greedy = [p for p in plan if jobs[p.index].sampling.greedy]
+        groups = ([greedy] if greedy else []) + [[p] for p in plan if not jobs[p.index].sampling.greedy]
+        logits: dict[int, list[torch.Tensor]] = {}
         for group in groups:
-            for p, row in zip(group, self._decode(group), strict=True):
-                logits[p[0]] = row
-        return [logits[p[0]] for p in plan]
+            for p, rows in zip(group, self._decode(group), strict=True):
+                logits[p.index] = rows
+        return [logits[p.index] for p in plan]
 
-    def _decode(self, plan: list[tuple[int, Session, list[int], int]]) -> list[torch.Tensor]:
-        """Decode each planned sequence's new tokens (at their positions, in their own sequence);
-        return the logits after each one's last token."""
-        rows = [(session.cache, tok, pos, pos == len(seq) - 1)
-                for _, session, seq, cached in plan for pos, tok in enumerate(seq[cached:], start=cached)]
+    def _decode(self, plan: list[_Planned]) -> list[list[torch.Tensor]]:
+        """Decode each planned sequence's new tokens and guess (at their positions, in their own
+        sequence); return, per sequence, the logits after its last token and after each guessed one."""
+        rows = [(p.session.cache, tok, pos, pos >= len(p.seq) - 1)
+                for p in plan for pos, tok in enumerate(p.seq[p.cached:] + p.guess, start=p.cached)]
         b = self._batch.batch
         wanted: list[int] = []
         for start in range(0, len(rows), self.n_batch):
@@ -222,12 +277,28 @@ class LlamaCppProposer(Proposer):
                 raise ResourceExhausted("llama.cpp KV pool has no room for these sequences")
             if rc != 0:
                 raise RuntimeError(f"llama_decode returned {rc}")
-        # Several passes happen only for a lone long sequence, whose one wanted row is in the last.
-        return [self._logits(i) for i in wanted]
+        # Several passes happen only for a lone long sequence (with no guess), whose one wanted row
+        # is in the last.
+        out, at = [], 0
+        for p in plan:
+            out.append([self._logits(i) for i in wanted[at : at + 1 + len(p.guess)]])
+            at += 1 + len(p.guess)
+        return out
 
     def _logits(self, row: int) -> torch.Tensor:
         ptr = self._ll.llama_get_logits_ith(self._ctx.ctx, row)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+
+
+@dataclasses.dataclass
+class _Planned:
+    """A job's part of a pass: its new tokens (``seq[cached:]``) and the guess decoded after them."""
+
+    index: int  # of the job in the step's list
+    session: Session
+    seq: list[int]  # the job's sequence so far (request tokens + drafted)
+    cached: int  # leading tokens of seq already in its cache
+    guess: list[int]
 
 
 def _file_type(metadata: dict[str, str]) -> str:

@@ -8,22 +8,37 @@ exact: a rejected token is then resampled from the target's p with that token re
 
 from __future__ import annotations
 
+from array import array
+
 from draft_service.proposer import Proposal, Proposer, StopReason
 from specdec.engine import ModelInfo
 from specdec.sessions import SessionStore
 
+_WORD = array("I").itemsize  # bytes per packed id (ids are below 2**32)
+
 
 def find_continuation(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier match of the longest suffix n-gram
-    (n from ``max_ngram`` down to ``min_ngram``); [] when no suffix n-gram occurred before."""
+    (n from ``max_ngram`` down to ``min_ngram``); [] when no suffix n-gram occurred before.
+
+    The search runs over the ids packed as 4-byte words (``bytes.rfind``, in C): a model draft
+    looks up at every pass, and a Python scan of a long context would cost a good share of one.
+    """
     length = len(tokens)
+    if length < 2 or k <= 0:
+        return []
+    data = array("I", tokens).tobytes()
+    # Latest match first: recent context predicts best. A match must leave at least one token
+    # after it, which also excludes the suffix itself.
+    limit = (length - 1) * _WORD
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = tokens[length - n :]
-        # Latest match first: recent context predicts best. The suffix itself (start length - n)
-        # is excluded, and a match must leave at least one token after it.
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start] == suffix[0] and tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+        pattern = data[(length - n) * _WORD :]
+        end = limit
+        while (at := data.rfind(pattern, 0, end)) >= 0:
+            if at % _WORD == 0:  # not a match straddling two ids
+                start = at // _WORD + n
+                return tokens[start : start + k]
+            end = at + len(pattern) - 1
     return []
 
 
