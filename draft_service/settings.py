@@ -28,7 +28,7 @@ class DraftSettings(ModelServiceSettings):
     kv_budget_mb: float = Field(256, gt=0, description="KV cache budget in MiB across sessions (LRU eviction).")
     lookup_ngram: int = Field(
         3, ge=0,
-        description="llamacpp backend, greedy requests: when the sequence's last n tokens (n >= this) occurred "
+        description="llamacpp backend, greedy requests: when the sequence's last this-many tokens occurred "
                     "before, the draft decodes what followed them as a guess in the same pass and keeps the part it "
                     "would have drafted itself, one pass for several tokens on text that repeats (docs/performance.md); "
                     "0 turns it off.",

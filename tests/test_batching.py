@@ -261,3 +261,28 @@ def test_llamacpp_guesses_only_for_greedy_jobs_and_batches_them_with_others(monk
     assert steps == 12  # the others still drafted one token per pass
     again = proposer.propose("b1", others[0] + together[1].tokens[:2], 2)
     assert again.cached_tokens == len(others[0]) + 1  # each session kept its own cache
+
+
+@pytest.mark.embedded
+def test_llamacpp_guess_never_evicts_another_session():
+    """A guess takes cache room only when the pool has it free: in a pass with room for the job's
+    own rows and nothing more, the job drafts without guessing and the other session keeps its
+    cache; with room, the same pass guesses."""
+    from draft_service.backends.llamacpp import LOOKUP_TOKENS, LlamaCppProposer
+    from specdec.models import embedded_gguf_path, load_tokenizer
+
+    from draft_service.backends.ngram import find_continuation
+
+    prompt = _copy_task(load_tokenizer("embedded"))
+    while not find_continuation(prompt, 2, 3, 3):  # end it where its last 3 tokens occurred before
+        prompt = prompt[:-1]
+    guessed = LOOKUP_TOKENS.labels("guessed")
+    for room, guesses in ((1, False), (64, True)):
+        proposer = LlamaCppProposer(str(embedded_gguf_path()), 4, 64 << 20, 0, 16, lookup_ngram=3)
+        proposer.propose("other", [504, 1296, 3003, 4683, 359, 17, 42, 9000], 1)
+        proposer.propose("copy", prompt[:-1], 1)  # its cache holds all of the prompt but the last token
+        proposer.store.max_bytes = proposer.store.nbytes + room * proposer.bytes_per_token
+        start = guessed._value.get()
+        job = proposer.prepare("copy", prompt, 16)
+        proposer.step([job])  # one pass: the prompt's last token (+ a guess when there is room)
+        assert (guessed._value.get() > start) == guesses and "other" in proposer.store

@@ -168,7 +168,10 @@ class LlamaCppProposer(Proposer):
                 if used and used + new > self.n_batch:
                     continue  # the decode batch is full: next step
                 guess = self._guess(job, seq)
-                if used + new + len(guess) > self.n_batch:
+                if used + new + len(guess) > self.n_batch or (
+                        # a guess never evicts another session's cache
+                        self.store.nbytes + (len(seq) + len(guess)) * self.bytes_per_token - session.nbytes
+                        > self.store.max_bytes):
                     guess = []
                 try:
                     if session.cache is None:
