@@ -269,9 +269,8 @@ def test_llamacpp_guess_never_evicts_another_session():
     own rows and nothing more, the job drafts without guessing and the other session keeps its
     cache; with room, the same pass guesses."""
     from draft_service.backends.llamacpp import LOOKUP_TOKENS, LlamaCppProposer
-    from specdec.models import embedded_gguf_path, load_tokenizer
-
     from draft_service.backends.ngram import find_continuation
+    from specdec.models import embedded_gguf_path, load_tokenizer
 
     prompt = _copy_task(load_tokenizer("embedded"))
     while not find_continuation(prompt, 2, 3, 3):  # end it where its last 3 tokens occurred before
