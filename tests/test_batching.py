@@ -285,3 +285,25 @@ def test_llamacpp_guess_never_evicts_another_session():
         job = proposer.prepare("copy", prompt, 16)
         proposer.step([job])  # one pass: the prompt's last token (+ a guess when there is room)
         assert (guessed._value.get() > start) == guesses and "other" in proposer.store
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("cap", [2, 16])
+def test_llamacpp_guesses_grow_while_taken_up_to_the_cap(cap):
+    """A guess starts at 2 tokens and doubles while taken whole, never past lookup_max_tokens."""
+    from draft_service.backends.llamacpp import FIRST_GUESS, LlamaCppProposer
+    from specdec.models import embedded_gguf_path, load_tokenizer
+
+    prompt = _copy_task(load_tokenizer("embedded"))
+    proposer = LlamaCppProposer(str(embedded_gguf_path()), 4, 64 << 20, 0, 16, lookup_ngram=3, lookup_max_tokens=cap)
+    proposer.propose("s", prompt, 1)  # the prompt is cached: each pass below decodes 1 row + its guess
+    job = proposer.prepare("s", prompt, 16)
+    rows = []  # per pass
+    while True:
+        result = proposer.step([job])
+        rows.append(result.rows)
+        if result.outcomes[0] is not PENDING:
+            break
+    guesses = [r - 1 for r in rows[1:]]  # the first pass also re-decodes the prompt's last token
+    assert max(guesses) == min(cap, 2 * FIRST_GUESS)  # a 16-token draft has room to double once
+    assert FIRST_GUESS in guesses
