@@ -195,11 +195,13 @@ def test_llamacpp_lookup_guesses_draft_what_single_passes_draft(monkeypatch):
     copies the prompt, the draft with guesses equals the draft without, in fewer llama.cpp passes;
     the cache keeps only what was drafted, so the next call reuses it."""
     from draft_service.backends.llamacpp import LOOKUP_TOKENS, LlamaCppProposer
+    from draft_service.settings import DraftSettings
     from specdec.models import embedded_gguf_path, load_tokenizer
 
     prompt = _copy_task(load_tokenizer("embedded"))
     on = LlamaCppProposer(str(embedded_gguf_path()), 4, 64 << 20, 0, 16, lookup_ngram=3)
-    off = LlamaCppProposer(str(embedded_gguf_path()), 4, 64 << 20, 0, 16, lookup_ngram=0)
+    off = LlamaCppProposer.from_settings(DraftSettings(lookup_ngram=0))  # the setting reaches the backend
+    assert off.lookup_ngram == 0 and on.lookup_ngram == 3
     passes = {"n": 0}
     decode = on._ll.llama_decode
 

@@ -374,8 +374,7 @@ async def test_the_prompt_prefill_runs_before_the_drafts_catch_up_on_a_shared_ho
     """A long prompt leaves the draft far behind: it catches up in the background. On the target's
     host that catch-up waits for the prompt's own pass, which would otherwise share the cores with
     it (and the first token with them); on another host it starts with the first step."""
-    prompt = PROMPT * 4  # 32 tokens: more than the draft may lag before it catches up apart
-    reference = greedy_reference(engine.lm.model, prompt, 16)
+    reference = greedy_reference(engine.lm.model, LONG_PROMPT, 16)
 
     class CountingTarget(SlowTarget):
         verifies = 0
@@ -387,19 +386,18 @@ async def test_the_prompt_prefill_runs_before_the_drafts_catch_up_on_a_shared_ho
 
     target = CountingTarget(engine)
 
-    class Draft(ScriptedDraft):
+    class Draft(LongPromptDraft):
         seen_verifies: list[int] = []  # verifies answered when each Propose was sent
 
         async def propose(self, *args, **kwargs):
             self.seen_verifies.append(target.verifies)
             return await super().propose(*args, **kwargs)
 
-    draft = Draft(reference, set())
-    draft.full = prompt + reference
-    params = GenerationParams(prompt_ids=prompt, max_tokens=16, ignore_eos=True, overlap=False)
+    draft = Draft(reference, delay_s=0.01)
+    params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=16, ignore_eos=True, overlap=False)
     steps, stats = await run(engine, draft, params, make_controller("fixed", 3, 8), shared_host=shared_host,
                              target=target)
     assert [t for s in steps for t in s.tokens] == reference[:16]
-    assert stats.draft_catch_ups == 1 and draft.calls[0] == (len(prompt) + (1 if shared_host else 0), 1)
+    assert stats.draft_catch_ups == 1 and draft.calls[0] == (len(LONG_PROMPT) + (1 if shared_host else 0), 1)
     assert draft.seen_verifies[0] == (1 if shared_host else 0)
     assert steps[0].k == 0 and any(s.k for s in steps)  # speculation still starts once the draft caught up

@@ -213,7 +213,7 @@ class LlamaCppProposer(Proposer):
                     LOOKUP_TOKENS.labels("guessed").inc(len(p.guess))
                     LOOKUP_TOKENS.labels("taken").inc(taken)
                     job.guess_len = min(2 * len(p.guess), self.lookup_max_tokens) if taken == len(p.guess) else FIRST_GUESS
-                kept = p.seq + p.guess[:taken]
+                kept = p.seq + p.guess[:taken] if taken else p.seq  # no copy of the sequence per pass
                 self.store.update(p.session, kept, len(kept) * self.bytes_per_token)
                 if done:
                     outcomes[p.index] = job.proposal()
