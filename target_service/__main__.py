@@ -30,7 +30,8 @@ def main() -> None:
     loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
     store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
     engine = TargetEngine(loaded, store, settings.max_draft_tokens, settings.max_batch_rows, settings.overlap_threads,
-                          settings.shared_prefill_rows, settings.pack_weights)
+                          settings.shared_prefill_rows, settings.pack_weights,
+                          use_runner=settings.runner == "auto")
     server, port, health = build_server(engine, settings.address, settings.workers, compute, **security)
     start_metrics(settings.metrics_port)
     info = engine.info()

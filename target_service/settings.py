@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -32,4 +34,10 @@ class TargetSettings(ModelServiceSettings):
                           "about one plain step, and a row computes the same whatever rows share its pass. The packed "
                           "copy is new memory (the embedded target: +0.53 GB); the row-major weights are then "
                           "no longer read; false keeps the stock kernels (docs/performance.md)."
+    )
+    runner: Literal["auto", "transformers"] = Field(
+        "auto", description="auto: specdec's own forward pass for Llama and GPT-2 models on packed weights (one fused op "
+                            "where transformers dispatches several; the same logits within fp32 rounding), "
+                            "transformers' forward for any other model; transformers: always transformers' forward "
+                            "(docs/performance.md)."
     )

@@ -1,0 +1,294 @@
+"""Lean model runners: specdec's own forward pass for the architectures it serves most.
+
+A transformers forward is ~20 Python modules deep per layer (norms, rotary embedding, attention
+interface, cache update, residuals), each dispatching several small ops; on a 2-core CPU that
+framework work cost more than the weights themselves (docs/performance.md, "The target step at
+the floor"). A runner does the same arithmetic with the fewest ops it can: one packed oneDNN
+linear per projection (weights packed once by :class:`specdec.engine._FastLinears`), the residual
+add fused into the output projections, the activation fused into the MLP's input projection,
+rotary and attention on all heads at once, and each segment's keys and values written in place
+into its :class:`specdec.ragged.SessionKV`.
+
+A runner only executes a planned batch (:class:`RunnerBatch`): the sessions, their cached lengths
+and the rows to compute were decided by the caller. Every op is row-independent (a row's linear
+sums, norms and activations never see another row; attention sees only its own session), so a
+verify of k + 1 rows computes exactly what k + 1 plain steps compute, and one session's result
+does not depend on the sessions batched beside it.
+
+Supported: ``llama`` (Llama, SmolLM, TinyLlama … without sliding windows) and ``gpt2``. Any other
+model, or a configuration a runner does not cover, runs through transformers (``runner_for``
+returns None and says why in the log).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdec.ragged import Segment
+
+logger = logging.getLogger(__name__)
+
+# Packed oneDNN passes of fewer rows are padded to this many (see specdec.engine.PACK_PAD_ROWS):
+# the runner pads the whole hidden state once, not every linear.
+PAD_ROWS = 4
+
+
+@dataclass
+class RunnerBatch:
+    """One planned forward: every segment's new tokens packed into one sequence of rows."""
+
+    ids: torch.Tensor  # [T] long, the new tokens of all segments, segment after segment
+    positions: torch.Tensor  # [T] long, each row's absolute position in its session
+    segments: list[Segment]  # one per session: its KV, cached length, rows and first row
+    keep: torch.Tensor  # [R] long, the rows whose logits are wanted
+
+
+class _Linear:
+    """One projection on its packed oneDNN weight: ``x @ W.T + b`` with an optional fused
+    activation (``act``) or residual (``add``)."""
+
+    __slots__ = ("weight", "bias", "op", "binary", "vocab")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, op: Any, out_features: int) -> None:
+        self.weight, self.bias, self.op, self.vocab = weight, bias, op, out_features
+        self.binary = torch.ops.mkldnn._linear_pointwise.binary
+
+    def __call__(self, x: torch.Tensor, act: str = "none", algorithm: str = "") -> torch.Tensor:
+        return self.op(x, self.weight, self.bias, act, [], algorithm)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + x @ W.T + b`` in one oneDNN call (a post-op sum: the same fp32 add)."""
+        return self.binary(x, residual, self.weight, self.bias, "add")
+
+
+def _linear(fast: Any, *modules: Any) -> _Linear:
+    """The packed linear of ``modules``: one layer, or all the layers of one fused group, in
+    order (raises KeyError when they are not packed exactly so)."""
+    parts = [fast.packed(m) for m in modules]
+    first = parts[0]
+    if not (all(p.weight is first.weight for p in parts) and first.start == 0 and parts[-1].end == first.group_out
+            and all(a.end == b.start for a, b in zip(parts, parts[1:], strict=False))):
+        raise KeyError(f"{type(modules[0]).__name__} layers not packed as one weight")
+    return _Linear(first.weight, first.bias, fast.onednn, first.group_out)
+
+
+def fused_groups(model: Any) -> list[list[Any]]:
+    """Linear layers of ``model`` that read the same input and that its runner runs as one
+    packed weight (see ``specdec.engine._FastLinears``): per Llama layer q/k/v and gate/up."""
+    if getattr(model.config, "model_type", None) != "llama" or not hasattr(model, "model"):
+        return []
+    groups = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        groups += [[attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]]
+    return groups
+
+
+class _Runner:
+    """What the two runners share: padding, attention over each session's KV, the lm_head."""
+
+    name = ""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, scale: float, lm_head: _Linear) -> None:
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.group = heads // kv_heads
+        self.scale = scale
+        self.lm_head = lm_head
+
+    def forward(self, batch: RunnerBatch) -> torch.Tensor:
+        """Logits [R, V] fp32 of the ``keep`` rows of ``batch``; writes every segment's keys and
+        values into its KV buffer (positions ``start .. start + rows``)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _padded(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        return torch.cat((x, x.new_zeros(PAD_ROWS - rows, x.shape[1]))) if rows < PAD_ROWS else x
+
+    def _masks(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
+        """Per segment, the additive causal mask of its grouped query rows over its keys
+        ([group * rows, start + rows], 0 or -inf), built once per forward for every layer."""
+        masks: list[torch.Tensor | None] = []
+        for seg in segments:
+            if seg.rows == 1:
+                masks.append(None)
+                continue
+            allowed = torch.ones(seg.rows, seg.start + seg.rows, dtype=torch.bool).tril(diagonal=seg.start)
+            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, -math.inf)
+            masks.append(mask.repeat(self.group, 1))
+        return masks
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Sequence[Segment],
+                masks: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
+        """Attention of each segment's rows over its own session's keys and values.
+
+        q: [T, heads, D]; k, v: [T, kv_heads, D] of the packed rows (rotated). Writes [rows, heads * D]
+        of each segment into ``out``. Query heads are grouped under their key/value head (head h
+        reads kv head h // group, as transformers' ``repeat_kv``), so grouped-query attention runs
+        as one batched matmul per segment with no copy of the keys and values.
+        """
+        kvh, group, d = self.kv_heads, self.group, self.head_dim
+        for seg, mask in zip(segments, masks, strict=True):
+            lo, hi, end = seg.offset, seg.offset + seg.rows, seg.start + seg.rows
+            buf = seg.kv.kv[layer]  # [2, kv_heads, capacity, D]
+            buf[:, :, seg.start:end] = torch.stack((k[lo:hi], v[lo:hi])).transpose(1, 2)
+            keys, values = buf[0, :, :end], buf[1, :, :end]  # [kv_heads, L, D], views
+            # [rows, heads, D] -> [kv_heads, group * rows, D]: row-major over (group, row)
+            qg = q[lo:hi].transpose(0, 1).reshape(kvh, group * seg.rows, d)
+            scores = torch.baddbmm(mask, qg, keys.transpose(1, 2), alpha=self.scale) if mask is not None \
+                else torch.bmm(qg, keys.transpose(1, 2)).mul_(self.scale)
+            o = torch.bmm(torch.softmax(scores, dim=-1), values)  # [kv_heads, group * rows, D]
+            out[lo:hi] = o.view(kvh * group, seg.rows, d).transpose(0, 1).reshape(seg.rows, kvh * group * d)
+
+    def _logits(self, x: torch.Tensor, keep: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        rows = keep.shape[0]
+        if not rows:  # a prefill chunk: its keys and values are all it is for
+            return x.new_empty(0, self.lm_head.vocab)
+        h = norm(self._padded(x.index_select(0, keep)))
+        return self.lm_head(h)[:rows]
+
+
+class LlamaRunner(_Runner):
+    """Llama-architecture decoder (RMSNorm, rotary, grouped-query attention, SwiGLU MLP)."""
+
+    name = "llama"
+
+    @classmethod
+    def unsupported(cls, model: Any) -> str | None:
+        config = model.config
+        if getattr(config, "model_type", None) != "llama":
+            return f"model_type {getattr(config, 'model_type', None)!r} is not llama"
+        if getattr(config, "hidden_act", "silu") != "silu":
+            return f"hidden_act {config.hidden_act!r} (the runner fuses silu)"
+        if getattr(config, "pretraining_tp", 1) not in (None, 1):
+            return "pretraining_tp > 1"
+        return None
+
+    def __init__(self, model: Any, fast: Any) -> None:
+        config = model.config
+        inner = model.model
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        super().__init__(heads, config.num_key_value_heads, head_dim, head_dim ** -0.5, _linear(fast, model.lm_head))
+        self.hidden = config.hidden_size
+        self.embed = inner.embed_tokens.weight
+        self.rotary = inner.rotary_emb
+        self.eps = config.rms_norm_eps
+        self.final_norm = inner.norm.weight
+        self.intermediate = config.intermediate_size
+        self.layers = [
+            (layer.input_layernorm.weight,
+             _linear(fast, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+             _linear(fast, layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
+             _linear(fast, layer.mlp.gate_proj, layer.mlp.up_proj), _linear(fast, layer.mlp.down_proj))
+            for layer in inner.layers
+        ]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then the weight
+        return F.rms_norm(x, (self.hidden,), weight, self.eps)
+
+    def forward(self, batch: RunnerBatch) -> torch.Tensor:
+        t = batch.ids.shape[0]
+        heads, kvh, d = self.heads, self.kv_heads, self.head_dim
+        x = self._padded(F.embedding(batch.ids, self.embed))
+        tp = x.shape[0]
+        positions = batch.positions if tp == t else torch.cat((batch.positions, batch.positions.new_zeros(tp - t)))
+        cos, sin = self.rotary(x, positions[None])  # [1, Tp, D]: cos and sin repeated over both halves
+        half = d // 2
+        # transformers' rotary: q * cos + rotate_half(q) * sin, rotate_half(q) = (-q2, q1), so with
+        # the sign folded into sin it is the two halves swapped (a flip), times (-sin1, sin2)
+        cos, sin = cos[0, :, None], torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
+        masks = self._masks(batch.segments)
+        attn = x.new_zeros(tp, heads * d)
+        n_qk = (heads + kvh) * d
+        for i, (ln1, wqkv, wo, ln2, wgate_up, wdown) in enumerate(self.layers):
+            qkv = wqkv(self._norm(x, ln1))  # [Tp, (heads + 2 kv_heads) * D]
+            qk = qkv[:, :n_qk].view(tp, heads + kvh, d)
+            qk = torch.addcmul(qk * cos, qk.view(tp, heads + kvh, 2, half).flip(2).view(tp, heads + kvh, d), sin)
+            v = qkv[:, n_qk:].view(tp, kvh, d)
+            self._attend(i, qk[:, :heads], qk[:, heads:], v, batch.segments, masks, attn)
+            x = wo.add(attn, x)
+            gate_up = wgate_up(self._norm(x, ln2))  # [Tp, 2 * intermediate]
+            x = wdown.add(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:], x)
+        return self._logits(x, batch.keep, lambda y: self._norm(y, self.final_norm))
+
+
+class GPT2Runner(_Runner):
+    """GPT-2 decoder (LayerNorm, learned positions, multi-head attention, tanh-GELU MLP)."""
+
+    name = "gpt2"
+
+    @classmethod
+    def unsupported(cls, model: Any) -> str | None:
+        config = model.config
+        if getattr(config, "model_type", None) != "gpt2":
+            return f"model_type {getattr(config, 'model_type', None)!r} is not gpt2"
+        if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+            return f"activation_function {config.activation_function!r} (the runner fuses tanh-GELU)"
+        if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
+            return "non-default attention scaling options"
+        return None
+
+    def __init__(self, model: Any, fast: Any) -> None:
+        config = model.config
+        inner = model.transformer
+        heads = config.n_head
+        head_dim = config.n_embd // heads
+        super().__init__(heads, heads, head_dim, head_dim ** -0.5, _linear(fast, model.lm_head))
+        self.hidden = config.n_embd
+        self.eps = config.layer_norm_epsilon
+        self.wte, self.wpe = inner.wte.weight, inner.wpe.weight
+        self.final_norm = (inner.ln_f.weight, inner.ln_f.bias)
+        self.layers = [
+            (block.ln_1.weight, block.ln_1.bias, _linear(fast, block.attn.c_attn), _linear(fast, block.attn.c_proj),
+             block.ln_2.weight, block.ln_2.bias, _linear(fast, block.mlp.c_fc), _linear(fast, block.mlp.c_proj))
+            for block in inner.h
+        ]
+
+    def forward(self, batch: RunnerBatch) -> torch.Tensor:
+        t = batch.ids.shape[0]
+        heads, d, n = self.heads, self.head_dim, self.hidden
+        x = self._padded(F.embedding(batch.ids, self.wte) + F.embedding(batch.positions, self.wpe))
+        tp = x.shape[0]
+        masks = self._masks(batch.segments)
+        attn = x.new_zeros(tp, n)
+        for i, (w1, b1, c_attn, c_proj, w2, b2, c_fc, mlp_proj) in enumerate(self.layers):
+            qkv = c_attn(F.layer_norm(x, (n,), w1, b1, self.eps)).view(tp, 3, heads, d)
+            self._attend(i, qkv[:, 0], qkv[:, 1], qkv[:, 2], batch.segments, masks, attn)
+            x = c_proj.add(attn, x)
+            x = mlp_proj.add(c_fc(F.layer_norm(x, (n,), w2, b2, self.eps), "gelu", "tanh"), x)
+        del t
+        w, b = self.final_norm
+        return self._logits(x, batch.keep, lambda y: F.layer_norm(y, (n,), w, b, self.eps))
+
+
+RUNNERS: dict[str, type[_Runner]] = {"llama": LlamaRunner, "gpt2": GPT2Runner}
+
+
+def runner_for(model: Any, fast: Any) -> _Runner | None:
+    """The lean runner of ``model`` (None when its architecture or configuration is not covered,
+    when its weights are not packed fp32 CPU linears, or when this torch build lacks the fused
+    oneDNN ops; the caller then runs the transformers forward)."""
+    config = model.config
+    cls = RUNNERS.get(getattr(config, "model_type", ""))
+    why = "no runner for this architecture" if cls is None else cls.unsupported(model)
+    if why is None and fast.kernel != "packed":
+        why = f"linear weights on the {fast.kernel!r} kernel, not packed"
+    if why is None:
+        try:
+            runner = cls(model, fast)
+        except (KeyError, AttributeError, RuntimeError) as exc:  # a layer that was not packed, an odd layout
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            logger.info("forward passes run on specdec's %s runner", runner.name)
+            return runner
+    logger.info("forward passes run through transformers (%s)", why)
+    return None

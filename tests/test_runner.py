@@ -1,0 +1,130 @@
+"""specdec's own forward pass (specdec.runner) against transformers' on real architectures: the
+same logits to fp32 rounding, the same keys and values in the session's cache, rows and sessions
+that do not change each other's results, and the fallback to transformers where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.engine import CachedCausalLM, ForwardRequest
+from specdec.models import load_hf
+from specdec.runner import GPT2Runner, LlamaRunner
+from specdec.sessions import SessionStore
+
+IDS = [3, 17, 5, 22, 9, 31, 4, 12, 28, 7, 19, 2, 25, 11, 6, 33, 14, 8, 21, 10, 27, 13, 30, 16, 24, 18, 29, 15, 26, 20]
+ARCHS = {"llama": LlamaRunner, "gpt2": GPT2Runner}
+
+
+def _lm(path: str, **kwargs) -> CachedCausalLM:
+    return CachedCausalLM(load_hf(path).model, SessionStore(8, 1 << 30, 0), **kwargs)
+
+
+def _reference(path: str, ids: list[int]) -> tuple[torch.Tensor, object]:
+    """transformers' own logits [len(ids), V] and cache for ``ids``, from a model nothing else touched."""
+    model = load_hf(path).model
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), use_cache=True)
+    return out.logits[0], out.past_key_values
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_runner_logits_match_transformers_through_prefill_verify_and_steps(tiny_models, arch):
+    path = tiny_models[f"{arch}-target"]
+    lm = _lm(path)
+    assert isinstance(lm.runner, ARCHS[arch])
+    full, _ = _reference(path, IDS)
+    s = lm.session("s")
+    logits, cached = lm.extend(s, IDS[:12], IDS[12:17])  # a prefill of 17 rows, 6 logits
+    assert cached == 0 and torch.allclose(logits, full[11:17], atol=1e-5, rtol=1e-5)
+    logits, cached = lm.extend(s, IDS[:20])  # a verify-sized pass of 3 rows over the cache
+    assert cached == 17 and torch.allclose(logits, full[19:20], atol=1e-5, rtol=1e-5)
+    for n in range(21, 25):  # plain steps of one row
+        logits, cached = lm.extend(s, IDS[:n])
+        assert cached == n - 1 and torch.allclose(logits, full[n - 1 : n], atol=1e-5, rtol=1e-5)
+    logits, cached = lm.extend(s, IDS[:8], IDS[8:10])  # a rollback: 3 logits wanted, so crop to 7
+    assert cached == 7 and torch.allclose(logits, full[7:10], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_runner_writes_the_keys_and_values_transformers_caches(tiny_models, arch):
+    path = tiny_models[f"{arch}-target"]
+    lm = _lm(path)
+    _, cache = _reference(path, IDS[:15])
+    s = lm.session("kv")
+    lm.extend(s, IDS[:9])
+    lm.extend(s, IDS[:15])  # the rest written after the first 9, at their own positions
+    for layer in range(len(cache.layers)):
+        keys, values = cache.layers[layer].keys[0], cache.layers[layer].values[0]  # [kv_heads, 15, D]
+        assert torch.allclose(s.cache.kv[layer, 0, :, :15], keys, atol=1e-5)
+        assert torch.allclose(s.cache.kv[layer, 1, :, :15], values, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_session_computes_the_same_alone_or_batched(tiny_models, arch):
+    """One pass over three sessions at different cached lengths gives each session exactly the
+    logits it gets in a pass of its own: no row reads another session's rows or cache."""
+    path = tiny_models[f"{arch}-target"]
+    alone, batched = _lm(path), _lm(path)
+    plans = [(IDS[:20], IDS[:24], 3), (IDS[:3], IDS[:5], 2), ([], IDS[:11], 1)]
+    results = []
+    for lm in (alone, batched):
+        for i, (before, _, _) in enumerate(plans):
+            if before:
+                lm.extend(lm.session(f"s{i}"), before)
+    for i, (_, tokens, want) in enumerate(plans):
+        results.append(alone.forward_batch([ForwardRequest(alone.session(f"s{i}"), tokens, want)])[0].logits)
+    together = batched.forward_batch([ForwardRequest(batched.session(f"s{i}"), tokens, want)
+                                      for i, (_, tokens, want) in enumerate(plans)])
+    for mine, theirs in zip(results, together, strict=True):
+        assert torch.equal(mine, theirs.logits)
+
+
+def test_transformers_forward_of_the_same_model_still_works(tiny_models):
+    """q/k/v and gate/up are packed as one weight each for the runner; the model's own forward
+    (``generate`` in tests and references) reads its layers' columns of it and agrees."""
+    path = tiny_models["llama-target"]
+    lm = _lm(path)
+    assert lm.fast_linears.packed(lm.model.model.layers[0].self_attn.k_proj).fused
+    ids = torch.tensor([IDS[:6]])
+    with torch.inference_mode():
+        ours = lm.model.generate(ids, max_new_tokens=8, do_sample=False)
+        theirs = load_hf(path).model.generate(ids, max_new_tokens=8, do_sample=False)
+        assert torch.allclose(lm.model(ids).logits, load_hf(path).model(ids).logits, atol=1e-5, rtol=1e-5)
+    assert ours.tolist() == theirs.tolist()
+
+
+def test_unsupported_configurations_run_through_transformers(tmp_path, tiny_models):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.conftest import _save
+
+    config = GPT2Config(vocab_size=48, n_positions=64, n_embd=32, n_layer=2, n_head=2, scale_attn_by_inverse_layer_idx=True)
+    torch.manual_seed(0)
+    path = _save(GPT2LMHeadModel(config), tmp_path / "odd-gpt2")
+    lm = _lm(path)
+    assert lm.runner is None
+    full, _ = _reference(path, IDS[:10])
+    logits, _ = lm.extend(lm.session("s"), IDS[:7], IDS[7:10])
+    assert torch.allclose(logits, full[6:10], atol=1e-5, rtol=1e-5)
+    assert _lm(tiny_models["llama-target"], use_runner=False).runner is None
+    assert _lm(tiny_models["llama-target"], pack_weights=False).runner is None  # it runs on packed weights only
+
+
+@pytest.mark.embedded
+def test_runner_greedy_equals_generate_on_the_embedded_target(embedded_target):
+    """On the real embedded model (30 layers, grouped-query attention) the runner's plain steps
+    reproduce transformers' greedy ``generate`` of a fresh copy token for token."""
+    fresh = load_hf("embedded")
+    lm = CachedCausalLM(embedded_target.model, SessionStore(4, 1 << 30, 0))
+    assert isinstance(lm.runner, LlamaRunner)
+    tok = fresh.tokenizer
+    for i, prompt in enumerate(["The three laws of thermodynamics say that", "import numpy as np\n\ndef mean("]):
+        ids = tok(prompt).input_ids
+        with torch.inference_mode():
+            ref = fresh.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0].tolist()
+        seq, s = list(ids), lm.session(f"g{i}")
+        while len(seq) < len(ref):
+            logits, _ = lm.extend(s, seq)
+            seq.append(int(logits[-1].argmax()))
+        assert seq == ref
