@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup run test test-fast test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout bench-rtt clean-cache
+.PHONY: setup run test test-fast test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout bench-rtt bench-peer clean-cache
 
 setup: $(STAMP)
 
@@ -70,6 +70,10 @@ bench-scaleout: setup
 ## Speedup against the round trip to the draft (0/1/5/20 ms through a delay proxy), alternating and overlapped (as root: netns).
 bench-rtt: setup
 	$(PY) -m evaluation.rtt
+
+## specdec against llama.cpp's own llama-server on the same weights (builds llama-server once, minutes; docs/benchmarks.md).
+bench-peer: setup
+	$(PY) -m evaluation.peer
 
 clean-cache:
 	rm -rf $${SPECDEC_CACHE_DIR:-$$HOME/.cache/specdec}/models
