@@ -46,7 +46,7 @@ from typing import Any
 
 from evaluation import report
 from evaluation.bench import Harness, Mode, _finite, _jsonable, machine_info, rotation
-from evaluation.procs import ROOT, Service, Stack, free_port
+from evaluation.procs import ROOT, Service, Stack, free_port, wait_ready
 from evaluation.prompts import CATEGORIES, SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import first_mismatch, paired_speedup, spread, tokens_per_second
 
@@ -238,19 +238,10 @@ class Process(Service):
 
 def wait_health(url: str, proc: Service, timeout_s: float = 300) -> None:
     """Wait until llama-server answers 200 on /health (503 while it loads the models)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise PeerError(f"{proc.name} exited with status {proc.popen.returncode}:\n{proc.tail()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise PeerError(f"{proc.name} not healthy on {url} after {timeout_s:.0f} s:\n{proc.tail()}")
+    try:
+        wait_ready(url, proc, timeout_s, path="/health")
+    except (RuntimeError, TimeoutError) as exc:
+        raise PeerError(str(exc)) from exc
 
 
 # ---- preparation: binaries, converter, GGUF ----------------------------------------------------------

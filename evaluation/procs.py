@@ -73,19 +73,20 @@ def wait_grpc(port: int, service: Service, timeout_s: float = 300, host: str = "
     raise TimeoutError(f"{service.name} not serving on {host}:{port} after {timeout_s:.0f} s:\n{service.tail()}")
 
 
-def wait_ready(url: str, service: Service, timeout_s: float = 300) -> None:
+def wait_ready(url: str, service: Service, timeout_s: float = 300, path: str = "/ready") -> None:
+    """Wait until ``url + path`` answers 200 (raises when ``service`` exits or it times out)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         service.check()
         try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+            if httpx.get(url + path, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    raise TimeoutError(f"{url}/ready not 200 after {timeout_s:.0f} s:\n{service.tail()}")
+    raise TimeoutError(f"{url}{path} not 200 after {timeout_s:.0f} s:\n{service.tail()}")
 
 
 class Stack:

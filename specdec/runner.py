@@ -54,10 +54,10 @@ class _Linear:
     """One projection on its packed oneDNN weight: ``x @ W.T + b`` with an optional fused
     activation (``act``) or residual (``add``)."""
 
-    __slots__ = ("weight", "bias", "op", "binary", "vocab")
+    __slots__ = ("weight", "bias", "op", "binary", "out_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, op: Any, out_features: int) -> None:
-        self.weight, self.bias, self.op, self.vocab = weight, bias, op, out_features
+        self.weight, self.bias, self.op, self.out_features = weight, bias, op, out_features
         self.binary = torch.ops.mkldnn._linear_pointwise.binary
 
     def __call__(self, x: torch.Tensor, act: str = "none", algorithm: str = "") -> torch.Tensor:
@@ -150,7 +150,7 @@ class _Runner:
     def _logits(self, x: torch.Tensor, keep: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         rows = keep.shape[0]
         if not rows:  # a prefill chunk: its keys and values are all it is for
-            return x.new_empty(0, self.lm_head.vocab)
+            return x.new_empty(0, self.lm_head.out_features)
         h = norm(self._padded(x.index_select(0, keep)))
         return self.lm_head(h)[:rows]
 
@@ -163,8 +163,6 @@ class LlamaRunner(_Runner):
     @classmethod
     def unsupported(cls, model: Any) -> str | None:
         config = model.config
-        if getattr(config, "model_type", None) != "llama":
-            return f"model_type {getattr(config, 'model_type', None)!r} is not llama"
         if getattr(config, "hidden_act", "silu") != "silu":
             return f"hidden_act {config.hidden_act!r} (the runner fuses silu)"
         if getattr(config, "pretraining_tp", 1) not in (None, 1):
@@ -229,8 +227,6 @@ class GPT2Runner(_Runner):
     @classmethod
     def unsupported(cls, model: Any) -> str | None:
         config = model.config
-        if getattr(config, "model_type", None) != "gpt2":
-            return f"model_type {getattr(config, 'model_type', None)!r} is not gpt2"
         if config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
             return f"activation_function {config.activation_function!r} (the runner fuses tanh-GELU)"
         if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
@@ -254,7 +250,6 @@ class GPT2Runner(_Runner):
         ]
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
-        t = batch.ids.shape[0]
         heads, d, n = self.heads, self.head_dim, self.hidden
         x = self._padded(F.embedding(batch.ids, self.wte) + F.embedding(batch.positions, self.wpe))
         tp = x.shape[0]
@@ -265,7 +260,6 @@ class GPT2Runner(_Runner):
             self._attend(i, qkv[:, 0], qkv[:, 1], qkv[:, 2], batch.segments, masks, attn)
             x = c_proj.add(attn, x)
             x = mlp_proj.add(c_fc(F.layer_norm(x, (n,), w2, b2, self.eps), "gelu", "tanh"), x)
-        del t
         w, b = self.final_norm
         return self._logits(x, batch.keep, lambda y: F.layer_norm(y, (n,), w, b, self.eps))
 
