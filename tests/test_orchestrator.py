@@ -61,9 +61,10 @@ def test_every_controller_keeps_the_output(embedded_stack, controller):
     spec = gen(url, controller=controller, k=3, max_k=6, **body)
     assert spec["token_ids"] == plain["token_ids"] and spec["controller"] == controller
     k_steps = [s["k"] for s in spec["steps"]]
-    # The first steps run plainly while the draft prefills the prompt in the background.
+    # The first steps run plainly while the draft prefills the prompt in the background (how many
+    # depends on the target's step cost against the draft's prefill), then speculation starts.
     lead = next(i for i, k in enumerate(k_steps) if k > 0)
-    assert 1 <= lead <= 3 and spec["stats"]["draft_catch_ups"] == 1
+    assert 1 <= lead <= len(k_steps) // 2 and spec["stats"]["draft_catch_ups"] == 1
     ks = set(k_steps[lead:])
     if controller == "fixed":
         assert 3 in ks and ks <= {3, 2, 1}  # only the tail may shrink to the tokens left
