@@ -19,7 +19,7 @@ import torch
 from specdec.errors import InvalidArgument
 from specdec.params import ModelInfo  # noqa: F401  (re-exported)
 from specdec.ragged import RaggedBatch, Segment, SessionKV, kv_geometry, ragged_attention_on
-from specdec.runner import RunnerBatch, fused_groups, runner_for
+from specdec.runner import PACK_PAD_ROWS, RunnerBatch, fused_groups, padded_rows, runner_for  # noqa: F401
 from specdec.sessions import Session, SessionStore, common_prefix_len
 
 logger = logging.getLogger(__name__)
@@ -80,10 +80,6 @@ ONEDNN_MIN_ROWS = 5
 # The batch size oneDNN blocks a prepacked weight for. Any hint from 8 up gave the same speed for
 # 1-64 rows and the same sums for a row whatever the rows around it; a hint of 1 did not.
 PACK_ROWS_HINT = 64
-# Packed passes of fewer rows are padded to this many: oneDNN's packed kernel ran a whole plain
-# step of 1 row 1-7 % slower, and of 2 rows 7-14 % slower, than the same step padded to 4 (embedded
-# target, 2 threads, medians of 15-25 interleaved steps); a row's sums do not change.
-PACK_PAD_ROWS = 4
 KERNELS = ("packed", "onednn", "mkl")
 
 
@@ -228,8 +224,8 @@ class _FastLinears:
 
     def _packed_forward(self, module: Any, x2: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         rows = x2.shape[0]
-        if 0 < rows < PACK_PAD_ROWS:
-            x2 = torch.cat((x2, x2.new_zeros(PACK_PAD_ROWS - rows, x2.shape[1])))
+        if rows and padded_rows(rows) != rows:
+            x2 = torch.cat((x2, x2.new_zeros(padded_rows(rows) - rows, x2.shape[1])))
         p = self._packed[id(module)]
         y = self._onednn(x2.contiguous(), p.weight, p.bias, "none", [], "")
         if p.fused:  # this layer's columns of its group's output (transformers' own forward only)

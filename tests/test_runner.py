@@ -9,7 +9,7 @@ import torch
 
 from specdec.engine import CachedCausalLM, ForwardRequest
 from specdec.models import load_hf
-from specdec.runner import GPT2Runner, LlamaRunner
+from specdec.runner import PACK_EXACT_ROWS, PACK_PAD_ROWS, GPT2Runner, LlamaRunner, padded_rows
 from specdec.sessions import SessionStore
 
 IDS = [3, 17, 5, 22, 9, 31, 4, 12, 28, 7, 19, 2, 25, 11, 6, 33, 14, 8, 21, 10, 27, 13, 30, 16, 24, 18, 29, 15, 26, 20]
@@ -44,6 +44,27 @@ def test_runner_logits_match_transformers_through_prefill_verify_and_steps(tiny_
         assert cached == n - 1 and torch.allclose(logits, full[n - 1 : n], atol=1e-5, rtol=1e-5)
     logits, cached = lm.extend(s, IDS[:8], IDS[8:10])  # a rollback: 3 logits wanted, so crop to 7
     assert cached == 7 and torch.allclose(logits, full[7:10], atol=1e-5, rtol=1e-5)
+
+
+def test_padded_rows_bucket_long_passes_by_at_most_an_eighth():
+    sizes = [padded_rows(n) for n in range(1, 4097)]
+    assert sizes[:PACK_PAD_ROWS] == [PACK_PAD_ROWS] * PACK_PAD_ROWS
+    assert sizes[PACK_PAD_ROWS - 1:PACK_EXACT_ROWS] == list(range(PACK_PAD_ROWS, PACK_EXACT_ROWS + 1))
+    assert all(n <= p <= n * 1.125 for n, p in enumerate(sizes[PACK_EXACT_ROWS:], PACK_EXACT_ROWS + 1))
+    assert sizes == sorted(sizes) and all(padded_rows(p) == p for p in sizes)  # a bucket is its own size
+    # few shapes, so oneDNN's and ideep's per-shape kernel caches stay small
+    assert len(set(sizes)) <= PACK_EXACT_ROWS + 8 * 6
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_long_prefill_padded_to_its_bucket_matches_transformers(tiny_models, arch):
+    path = tiny_models[f"{arch}-target"]
+    ids = [IDS[i % len(IDS)] for i in range(PACK_EXACT_ROWS + 9)]  # 73 rows, computed as 80
+    assert padded_rows(len(ids)) > len(ids)
+    full, _ = _reference(path, ids)
+    lm = _lm(path)
+    logits, cached = lm.extend(lm.session("long"), ids[:-4], ids[-4:])
+    assert cached == 0 and torch.allclose(logits, full[-5:], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,0 +1,38 @@
+"""Process-level setup of the model services (specdec.runtime), in fresh interpreters."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# After a 4 MiB block is freed, glibc's dynamic threshold maps only blocks above 4 MiB on their own:
+# a 2 MiB block then comes from the heap. With the threshold fixed it is mapped (and unmapped when
+# freed, so memory a released session held goes back to the system).
+PROBE = textwrap.dedent("""
+    import ctypes, os, sys
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    if sys.argv[1] == "configured":
+        from specdec.runtime import configure_allocator
+        assert configure_allocator()
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = Info
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free(libc.malloc(4 << 20))
+    before = libc.mallinfo2().hblks
+    block = libc.malloc(2 << 20)
+    print(libc.mallinfo2().hblks - before)
+    libc.free(block)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_configure_allocator_maps_large_blocks_on_their_own():
+    mapped = {how: subprocess.run([sys.executable, "-c", PROBE, how], capture_output=True, text=True, check=True)
+              .stdout.strip() for how in ("stock", "configured")}
+    assert mapped == {"stock": "0", "configured": "1"}
