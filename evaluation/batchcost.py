@@ -9,10 +9,16 @@ than a target one and plain decoding wins. Each session has ``--context`` tokens
 (random ids, the same for every mode); every figure is the median of ``--repeats`` steps.
 The services set the same thread counts (target: all cores, with the bounded OpenMP spin;
 draft: llama.cpp on one thread, as when it yields cores to a busy target), so the figures match
-what they pay per step under load. ``--kernels packed onednn mkl`` times the target's passes with
-each linear kernel the engine can run (see ``specdec.engine._FastLinears``), interleaved: oneDNN on
-weights packed at load (the default), oneDNN on the row-major weights from 5 rows with MKL below,
-and MKL alone.
+what they pay per step under load. ``--kernels runner packed onednn mkl`` times the target's passes
+each way the engine can run them, interleaved: specdec's own forward (``specdec.runner``, on
+weights packed at load: the service's default for Llama and GPT-2), and transformers' forward with
+each linear kernel of ``specdec.engine._FastLinears``: oneDNN on the packed weights, oneDNN on the
+row-major weights from 5 rows with MKL below, and MKL alone.
+
+``--target random:gpt2`` (or ``random:distilgpt2``) prices a model no hub is needed for: the real
+configuration (transformers' ``GPT2Config`` defaults, 124M; DistilGPT-2 is the same with 6 layers)
+with random weights, saved once under the cache folder and loaded through ``from_pretrained``.
+Costs do not depend on the weights' values. ``--draft none`` skips the draft's table.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ from evaluation import report
 logger = logging.getLogger("evaluation.batchcost")
 
 KERNELS = ("packed", "onednn", "mkl")  # specdec.engine.KERNELS (that module imports torch)
+# how a target pass can run: specdec's runner, or transformers' forward on each linear kernel
+VARIANTS = ("runner", *KERNELS)
+# transformers.GPT2Config overrides of the random models --target random:NAME builds
+RANDOM_CONFIGS: dict[str, dict[str, Any]] = {"gpt2": {}, "distilgpt2": {"n_layer": 6}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,19 +52,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="new tokens per session in a target pass (default 1,5: a plain step and a k = 4 verify)")
     p.add_argument("--context", type=int, default=200, help="cached tokens per session (default 200)")
     p.add_argument("--repeats", type=int, default=7, help="steps measured per point (default 7)")
-    p.add_argument("--target", default="embedded", help="target model (default the embedded one)")
-    p.add_argument("--draft", default="embedded", help="draft GGUF for llama.cpp (default the embedded one)")
-    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=["packed"],
-                   help="target linear kernels to compare, interleaved: packed (the service's: oneDNN on weights "
-                        "packed at load), onednn (oneDNN on the row-major weights for passes of "
-                        "specdec.engine.ONEDNN_MIN_ROWS rows or more, MKL below) and mkl (MKL at any row count); "
-                        "default packed")
+    p.add_argument("--target", default="embedded",
+                   help="target model (default the embedded one); random:gpt2 or random:distilgpt2 for the real "
+                        "configuration with random weights")
+    p.add_argument("--draft", default="embedded", help="draft GGUF for llama.cpp (default the embedded one); none skips it")
+    p.add_argument("--kernels", nargs="+", choices=VARIANTS, default=["runner"],
+                   help="how target passes run, compared interleaved: runner (the service's default: specdec's own "
+                        "forward on weights packed at load), or transformers' forward with the linear kernel packed "
+                        "(oneDNN on the packed weights), onednn (oneDNN on the row-major weights for passes of "
+                        "specdec.engine.ONEDNN_MIN_ROWS rows or more, MKL below) or mkl (MKL at any row count); "
+                        "default runner")
     p.add_argument("--out", type=Path, default=None, help="output folder (default evaluation/results/batchcost-<timestamp>/)")
     return p.parse_args(argv)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 20000) for _ in range(n)]
+
+
+def random_model(name: str, cache_dir: Path) -> str:
+    """The folder of ``random:NAME``: the model's real configuration with random weights (seed 0)
+    and a one-word tokenizer (costs need the shapes, not the vocabulary), saved once."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    if name not in RANDOM_CONFIGS:
+        raise SystemExit(f"unknown random model {name!r}; choose from {', '.join(RANDOM_CONFIGS)}")
+    folder = cache_dir / "random-models" / name
+    if not (folder / "config.json").exists():
+        torch.manual_seed(0)
+        config = GPT2Config(**RANDOM_CONFIGS[name])
+        logger.info("building %s with random weights (%d layers, hidden %d) in %s", name, config.n_layer, config.n_embd, folder)
+        GPT2LMHeadModel(config).save_pretrained(folder)
+        tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0}, unk_token="<|endoftext|>"))
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
+    return str(folder)
 
 
 def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
@@ -64,15 +97,20 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
     from specdec.settings import default_cache_dir
     from target_service.engine import TargetEngine
 
-    loaded = load_hf(args.target, "float32", "cpu", default_cache_dir())
+    target = args.target
+    if target.startswith("random:"):
+        target = random_model(target.removeprefix("random:"), default_cache_dir())
+    loaded = load_hf(target, "float32", "cpu", default_cache_dir())
     # the row-major weights stay only when other kernels are compared (the service frees them)
-    fast_linears(loaded.model, keep_row_major=args.kernels != ["packed"])
+    fast_linears(loaded.model, keep_row_major=any(k in ("onednn", "mkl") for k in args.kernels))
     engine = TargetEngine(loaded, SessionStore(512, 8 << 30, 0), max_draft_tokens=32)
     fast = engine.lm.fast_linears
+    runner = engine.lm.runner
     default = fast.kernel
-    missing = [k for k in args.kernels if k not in fast.kernels]
+    missing = [k for k in args.kernels if k not in fast.kernels and not (k == "runner" and runner is not None)]
     if missing:
-        raise SystemExit(f"this torch build cannot run the kernel(s) {', '.join(missing)}; it has {', '.join(fast.kernels)}")
+        raise SystemExit(f"this model and torch build cannot run {', '.join(missing)}; they have "
+                         f"{', '.join(('runner',) * (runner is not None) + fast.kernels)}")
     rng = random.Random(0)
     out = {}
     for q in args.rows:
@@ -83,7 +121,8 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
             times: dict[str, list[float]] = {k: [] for k in args.kernels}
             for _ in range(args.repeats):
                 for kernel in args.kernels:  # interleaved, so drift of the machine hits each alike
-                    fast.kernel = kernel
+                    engine.lm.runner = runner if kernel == "runner" else None
+                    fast.kernel = "packed" if kernel == "runner" else kernel
                     # each step: the session's next token (uncached) plus q - 1 draft tokens
                     jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1))
                             for i, s in enumerate(seqs)]
@@ -95,11 +134,13 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
             for kernel in args.kernels:
                 out[(kernel, b, q)] = statistics.median(times[kernel])
                 logger.info("target (%s): %d sessions × %d rows: %.1f ms", kernel, b, q, out[(kernel, b, q)])
-    fast.kernel = default
+    fast.kernel, engine.lm.runner = default, runner
     return out
 
 
 def draft_costs(args: argparse.Namespace) -> dict[int, float]:
+    if args.draft == "none":
+        return {}
     from draft_service.backends.llamacpp import LlamaCppProposer
     from specdec.models import resolve_gguf
 
@@ -128,12 +169,13 @@ def render(target: dict[tuple[str, int, int], float], draft: dict[int, float], a
         return what if len(args.kernels) == 1 else f"{what}, {kernel}"
 
     cols = [(kernel, q) for kernel in args.kernels for q in args.rows]
-    head = ["sessions B", *(name(k, f"target B×{q} (ms)") for k, q in cols), "draft step (ms)",
-            *(name(k, f"target per row, q={q} (ms)") for k, q in cols), "draft per session (ms)"]
+    drafts = ["draft step (ms)"] if draft else []
+    head = ["sessions B", *(name(k, f"target B×{q} (ms)") for k, q in cols), *drafts,
+            *(name(k, f"target per row, q={q} (ms)") for k, q in cols), *(["draft per session (ms)"] if draft else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for b in args.batches:
-        cells = [str(b), *(report.fmt(target[(k, b, q)]) for k, q in cols), report.fmt(draft[b]),
-                 *(report.fmt(target[(k, b, q)] / (b * q)) for k, q in cols), report.fmt(draft[b] / b)]
+        cells = [str(b), *(report.fmt(target[(k, b, q)]) for k, q in cols), *([report.fmt(draft[b])] if draft else []),
+                 *(report.fmt(target[(k, b, q)] / (b * q)) for k, q in cols), *([report.fmt(draft[b] / b)] if draft else [])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -280,13 +280,33 @@ def test_batchcost_measures_both_engines(tmp_path):
 
     assert batchcost.KERNELS == KERNELS
     assert batchcost.main(["--batches", "1,3", "--rows", "1,2", "--repeats", "2", "--context", "32",
-                           "--kernels", *batchcost.KERNELS, "--out", str(tmp_path)]) == 0
+                           "--kernels", *batchcost.VARIANTS, "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["target_ms"]) == {f"{k}:{b}x{q}" for k in batchcost.KERNELS for b in (1, 3) for q in (1, 2)}
+    assert set(results["target_ms"]) == {f"{k}:{b}x{q}" for k in batchcost.VARIANTS for b in (1, 3) for q in (1, 2)}
     assert set(results["draft_step_ms"]) == {"1", "3"}
     assert all(v > 0 for v in results["target_ms"].values())
     assert results["draft_step_ms"]["3"] > results["draft_step_ms"]["1"] * 0.8
     assert "| 3 |" in (tmp_path / "results.md").read_text()
+
+
+def test_batchcost_prices_a_random_model_of_a_real_configuration(tmp_path, monkeypatch):
+    """``--target random:NAME`` builds the configuration with random weights once, under the cache
+    folder, and times it through the runner and through transformers' forward; ``--draft none``
+    leaves the draft out."""
+    from evaluation import batchcost
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(batchcost.RANDOM_CONFIGS, "tiny-gpt2",
+                        {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 30000, "n_positions": 64})
+    argv = ["--target", "random:tiny-gpt2", "--draft", "none", "--batches", "1,2", "--rows", "1,3", "--repeats", "1",
+            "--context", "8", "--kernels", "runner", "packed", "--out", str(tmp_path / "out")]
+    assert batchcost.main(argv) == 0
+    assert (tmp_path / "cache" / "random-models" / "tiny-gpt2" / "config.json").exists()
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(results["target_ms"]) == {f"{k}:{b}x{q}" for k in ("runner", "packed") for b in (1, 2) for q in (1, 3)}
+    assert results["draft_step_ms"] == {} and "draft step" not in (tmp_path / "out" / "results.md").read_text()
+    with pytest.raises(SystemExit, match="unknown random model"):
+        batchcost.main(["--target", "random:nope", "--draft", "none", "--out", str(tmp_path / "bad")])
 
 
 def test_lookup_walk_counts_what_prompt_lookup_would_land():
