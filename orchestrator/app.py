@@ -59,6 +59,8 @@ class Runtime:
     target_info: dict[str, Any] = field(default_factory=dict)
     draft_info: dict[str, Any] = field(default_factory=dict)
     not_ready: str = "connecting to the model services"
+    # why requests decode without drafts while the orchestrator is otherwise ready ("" when not)
+    degraded: str = ""
     active: int = 0
     active_per_key: dict[str, int] = field(default_factory=dict)
 
@@ -85,7 +87,9 @@ async def connect(rt: Runtime) -> None:
         draft = await rt.draft.info()
         rt.draft_info = _info_dict(draft)
     except grpc.aio.AioRpcError as exc:
-        rt.not_ready = f"draft service at {rt.settings.draft_address} unreachable: {exc.code().name}"
+        # requests still decode (target only, the same output): ready, but degraded
+        rt.degraded = f"draft service at {rt.settings.draft_address} unreachable: {exc.code().name}; decoding without drafts"
+        rt.draft_info = {}
         draft = None
     if draft is not None and draft.tokenizer_fingerprint and draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
         rt.not_ready = (
@@ -126,7 +130,9 @@ async def connect(rt: Runtime) -> None:
         eos_token_ids=set(target.eos_token_ids),
         draft_shares_host=draft is not None and bool(target.host_id) and draft.host_id == target.host_id,
     )
-    rt.not_ready = "" if draft is not None else rt.not_ready
+    rt.not_ready = ""
+    if draft is not None:
+        rt.degraded = ""
 
 
 async def _keep_connected(rt: Runtime) -> None:
@@ -261,10 +267,14 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
 
     @app.get("/ready", tags=["ops"])
     async def ready(request: Request) -> JSONResponse:
-        """Both model services reachable and compatible (re-checked on every call)."""
+        """The target reachable and every model compatible (re-checked on every call): 200, with
+        ``degraded`` saying why when requests decode without drafts (the draft unreachable; the
+        output is the same, only slower), 503 with ``reason`` otherwise. A draft outage must not
+        take every orchestrator out of a load balancer."""
         rt: Runtime = request.app.state.rt
         await connect(rt)
-        body = {"ready": not rt.not_ready, "reason": rt.not_ready, "draft": rt.draft_info, "target": rt.target_info,
+        body = {"ready": not rt.not_ready, "reason": rt.not_ready, "degraded": rt.degraded,
+                "draft": rt.draft_info, "target": rt.target_info,
                 "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()}}
         return JSONResponse(body, status_code=200 if not rt.not_ready else 503)
 
@@ -280,6 +290,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         return {
             "ready": not rt.not_ready,
             "reason": rt.not_ready,
+            "degraded": rt.degraded,
             "draft": rt.draft_info,
             "target": rt.target_info,
             "draft_available": rt.draft_health.usable(),

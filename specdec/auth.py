@@ -76,19 +76,17 @@ class TokenAuth(grpc.ServerInterceptor):
 
 
 def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
+    """A handler that aborts with UNAUTHENTICATED without reading the request.
 
-    def abort(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+    It always takes the request as a stream, whatever the method's shape (the wire format is the
+    same): grpc's sync server reads a unary request's message in a worker thread before any handler
+    runs, so a caller with no token who sends headers and never a body would hold that thread for
+    as long as it likes. A streaming handler runs at once with the unread stream and aborts."""
+
+    def abort(request_iterator: Any, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        make = grpc.stream_stream_rpc_method_handler
-    elif handler.request_streaming:
-        make = grpc.stream_unary_rpc_method_handler
-    elif handler.response_streaming:
-        make = grpc.unary_stream_rpc_method_handler
-    else:
-        make = grpc.unary_unary_rpc_method_handler
+    make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
     return make(abort, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
 

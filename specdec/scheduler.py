@@ -175,6 +175,9 @@ class ComputeThread:
         self._answered: dict[str, float] = {}  # sessions answered by the last step -> when
         self._returns: dict[str, tuple[float, float]] = {}  # session -> (running return time s, last answer)
         self._last_step_s = 0.0
+        # time.monotonic() of the compute loop's last turn: it turns at least every 0.1 s while
+        # idle and after every step, so a stale one means a step that hangs (see specdec.server)
+        self.heartbeat = time.monotonic()
         QUEUE_DEPTH.labels(service).set_function(lambda: self._in_flight)
 
     # ---- called from RPC threads ------------------------------------------------------------------
@@ -225,6 +228,7 @@ class ComputeThread:
     def serve(self, stop: threading.Event) -> None:
         """Execute submitted work until ``stop`` is set (call on the owner thread)."""
         while not stop.is_set():
+            self.heartbeat = time.monotonic()
             waiting = self._waiting
             try:
                 # Block only when nothing is in line: a pending job must not wait for new arrivals.

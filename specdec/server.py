@@ -148,11 +148,16 @@ class MalformedRequests(grpc.ServerInterceptor):
         if handler.unary_unary or handler.unary_stream:
             inner = handler.unary_unary or handler.unary_stream
 
-            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            def unary(request: Any, context: grpc.ServicerContext, *callback: Any) -> Any:
                 if isinstance(request, _Malformed):
                     _reject(context, request)
-                return inner(request, context)
+                return inner(request, context, *callback)
 
+            # grpc's own flags on a behavior: a non-blocking one (grpc_health's Watch) is handed a
+            # send callback and holds no worker thread while its stream stays open
+            for flag in ("experimental_non_blocking", "experimental_thread_pool"):
+                if hasattr(inner, flag):
+                    setattr(unary, flag, getattr(inner, flag))
             make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.unary_stream_rpc_method_handler
             return make(unary, request_deserializer=_safe(handler.request_deserializer),
                         response_serializer=handler.response_serializer)
@@ -170,6 +175,40 @@ class MalformedRequests(grpc.ServerInterceptor):
         make = grpc.stream_unary_rpc_method_handler if handler.stream_unary else grpc.stream_stream_rpc_method_handler
         return make(streaming, request_deserializer=_safe(handler.request_deserializer),
                     response_serializer=handler.response_serializer)
+
+
+# A compute step that has not returned after this long is taken for a hang (the longest step is
+# one chunk of a prefill: about a second for the embedded target's 512 rows on 2 cores).
+HANG_S = 8.0
+
+
+class BoundedHealth(health.HealthServicer):
+    """grpc.health.v1 with at most ``max_watchers`` Watch streams open at once; more get
+    RESOURCE_EXHAUSTED at once. A Watch holds no worker thread (grpc_health's non-blocking mode),
+    but every open one counts against the server's ``maximum_concurrent_rpcs``: a flood of Watch
+    streams, which need no token, would otherwise leave no room for the model calls."""
+
+    def __init__(self, max_watchers: int, names: Iterable[str] = ("",)) -> None:
+        super().__init__()
+        self.names = list(names)  # every service name health answers for ("" is the server's)
+        self.max_watchers = max_watchers
+        self._watchers = 0
+        self._watch_lock = threading.Lock()
+
+    def _watch_closed(self) -> None:
+        with self._watch_lock:
+            self._watchers -= 1
+
+    def Watch(self, request: Any, context: grpc.ServicerContext, send_response_callback: Any = None) -> Any:  # noqa: N802
+        with self._watch_lock:
+            full = self._watchers >= self.max_watchers
+            if not full:
+                self._watchers += 1
+        if full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many Watch streams open (at most {self.max_watchers})")
+        if not context.add_callback(self._watch_closed):  # the call already ended
+            self._watch_closed()
+        return super().Watch(request, context, send_response_callback)
 
 
 def create_server(
@@ -201,10 +240,10 @@ def create_server(
         interceptors=[*interceptors, MalformedRequests()],
     )
     register(server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
-    for name in ["", *names]:
+    health_servicer = BoundedHealth(max(1, max_workers // 8), ["", *names])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in health_servicer.names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
@@ -213,15 +252,37 @@ def create_server(
     return server, port, health_servicer
 
 
-def serve_forever(server: grpc.Server, health_servicer: health.HealthServicer, compute: ComputeThread | None = None,
-                  grace_s: float = 5.0) -> None:
+def watch_compute(compute: ComputeThread, health_servicer: BoundedHealth, stop: threading.Event,
+                  hang_s: float = HANG_S, poll_s: float = 1.0) -> None:
+    """Until ``stop``: health NOT_SERVING for every name while ``compute``'s loop has not turned for
+    ``hang_s`` seconds (a forward that hangs would otherwise leave every probe green while each
+    call waits out its deadline), SERVING again once it turns. Runs on its own thread."""
+    hung = False
+    while not stop.wait(poll_s):
+        stale = time.monotonic() - compute.heartbeat
+        if (stale > hang_s) != hung:
+            hung = not hung
+            if hung:
+                logger.error("the compute thread has not come back from its work for %.0f s: health NOT_SERVING", stale)
+            else:
+                logger.warning("the compute thread is back: health SERVING")
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if hung else health_pb2.HealthCheckResponse.SERVING
+            for name in health_servicer.names:
+                health_servicer.set(name, status)
+
+
+def serve_forever(server: grpc.Server, health_servicer: BoundedHealth, compute: ComputeThread | None = None,
+                  grace_s: float = 5.0, hang_s: float = HANG_S) -> None:
     """Start ``server``, run ``compute`` on this thread until SIGINT/SIGTERM, then drain for
-    ``grace_s`` seconds."""
+    ``grace_s`` seconds. While a step of ``compute`` runs longer than ``hang_s``, health says
+    NOT_SERVING (:func:`watch_compute`)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     if compute is not None:
+        threading.Thread(target=watch_compute, args=(compute, health_servicer, stop, hang_s), name="watchdog",
+                         daemon=True).start()
         compute.serve(stop)
     else:
         stop.wait()

@@ -44,6 +44,10 @@ class ModelServiceSettings(BaseSettings):
         description="Before a batched step, wait up to this long (and at most 15 % of the previous step) for the "
                     "sessions the previous step answered whose clients answer quickly; 0 never waits (docs/batching.md).",
     )
+    hang_timeout_s: float = Field(
+        8.0, gt=0, description="A forward pass still running after this long is taken for a hang: gRPC health says "
+                               "NOT_SERVING until it returns (probes then restart or route around the service).",
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
     cache_dir: Path = Field(default_factory=default_cache_dir, description="Where converted models are cached.")
     log_level: str = Field("INFO", description="Python logging level.")

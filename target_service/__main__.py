@@ -39,7 +39,7 @@ def main() -> None:
         "target %s (%s, %s, vocab %d, context %d) ready on port %d in %.1f s",
         info.model_id, info.architecture, info.dtype, info.vocab_size, info.max_context, port, time.perf_counter() - t0,
     )
-    serve_forever(server, health, compute)
+    serve_forever(server, health, compute, hang_s=settings.hang_timeout_s)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ certificate for localhost/127.0.0.1 and a client certificate), never stored in t
 
 from __future__ import annotations
 
+import collections
 import re
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -296,6 +298,49 @@ def test_token_guards_streaming_rpcs_too(serve):
 
     assert rpc_error(list_services, None).code() == UNAUTHENTICATED
     assert "specdec.v1.TargetService" in list_services(ChannelSecurity(token=TOKEN))
+
+
+def test_unauthenticated_floods_leave_room_for_authenticated_calls(serve):
+    """200 callers with no token who open a call and never send its body, and 200 Watch streams
+    (which need no token), leave an authenticated Info answering within 2 s. The server has 136
+    worker threads and room for 272 calls in flight, as the services' defaults."""
+    port = serve(workers=136, interceptors=[TokenAuth(TOKEN)])
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    held = []
+    try:
+        # a unary method called with a request stream that never yields: headers, then nothing
+        silent = ch.stream_unary("/specdec.v1.TargetService/Info", request_serializer=lambda r: r,
+                                 response_deserializer=pb.InfoResponse.FromString)
+        never = threading.Event()
+
+        def no_body():
+            never.wait()
+            yield b""
+
+        for _ in range(200):
+            held.append(silent.future(no_body(), timeout=60))
+        watch = health_pb2_grpc.HealthStub(ch).Watch
+        for _ in range(200):
+            held.append(watch(health_pb2.HealthCheckRequest(), timeout=60))
+        t0 = time.monotonic()
+        assert info(port, ChannelSecurity(token=TOKEN)).max_context > 0
+        assert time.monotonic() - t0 < 2
+        # the body-less calls were refused without waiting for a body
+        assert all(f.exception(timeout=5).code() == UNAUTHENTICATED for f in held[:200])
+        # some Watch streams stay open (each first sends the current status), the rest are refused
+        codes = collections.Counter()
+        for stream in held[200:]:
+            try:
+                codes[next(stream).status] += 1
+            except grpc.RpcError as err:
+                codes[err.code()] += 1
+        assert codes[health_pb2.HealthCheckResponse.SERVING] >= 1 and codes[grpc.StatusCode.RESOURCE_EXHAUSTED] >= 100
+        assert health(port) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        never.set()
+        for call in held:
+            call.cancel()
+        ch.close()
 
 
 def test_tls_refuses_plaintext_and_unknown_servers(serve, certs):

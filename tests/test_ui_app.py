@@ -460,6 +460,11 @@ def test_service_states():
     no_draft = {"ready": False, "reason": "draft service at x unreachable: UNAVAILABLE", "draft": {},
                 "target": INFO_MODEL}
     assert [s.ok for s in render.service_states(True, "", no_draft, {})] == [False, True, False]
+    degraded = {"ready": True, "reason": "", "degraded": "draft service at x unreachable: UNAVAILABLE; decoding without drafts",
+                "draft": {}, "target": INFO_MODEL}
+    states = render.service_states(True, "", degraded, {})
+    assert [(s.ok, s.status) for s in states] == [(True, "ready (degraded)"), (True, "up"), (False, "down")]
+    assert "decoding without drafts" in states[2].detail
     failing = render.service_states(True, "", ready, {"draft_available": False})[2]
     assert failing.ok is False and failing.status.startswith("failing")
 

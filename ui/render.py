@@ -319,11 +319,13 @@ def service_states(alive: bool, error: str, ready: dict[str, Any], info: dict[st
         unknown = "unknown (orchestrator unreachable)"
         return [ServiceState("orchestrator", False, "unreachable", error),
                 ServiceState("target", None, unknown), ServiceState("draft", None, unknown)]
-    reason = str(ready.get("reason", "") or info.get("reason", ""))
+    # a degraded orchestrator is ready; its reason says which service is missing
+    reason = str(ready.get("reason", "") or info.get("reason", "") or ready.get("degraded", "") or info.get("degraded", ""))
     is_ready = bool(ready.get("ready", info.get("ready", False)))
     target_info = ready.get("target") or info.get("target") or {}
     draft_info = ready.get("draft") or info.get("draft") or {}
-    orchestrator = ServiceState("orchestrator", is_ready, "ready" if is_ready else "not ready", reason)
+    status = ("ready (degraded)" if reason else "ready") if is_ready else "not ready"
+    orchestrator = ServiceState("orchestrator", is_ready, status, reason)
     if reason.startswith("target service") or not target_info:
         target = ServiceState("target", False, "down", reason or "no information from the target")
     else:
