@@ -20,7 +20,6 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
 
 from orchestrator.auth import add_api_key_auth, grpc_security
 from orchestrator.clients import DraftClient, TargetClient
@@ -39,6 +38,7 @@ from orchestrator.loop import (
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.schemas import GenerateRequest, GenerateResponse, SpeculationParams, Step
 from orchestrator.settings import OrchestratorSettings
+from orchestrator.streams import BoundedEventSource
 from specdec import params as sm
 from specdec import runtime
 
@@ -317,7 +317,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         )
 
     @app.post("/v1/generate/stream", tags=["generate"])
-    async def generate_stream(body: GenerateRequest, request: Request) -> EventSourceResponse:
+    async def generate_stream(body: GenerateRequest, request: Request) -> BoundedEventSource:
         """The same as /v1/generate as server-sent events: a `step` event per iteration (accepted and
         rejected draft tokens, correction or bonus, text delta, timings), then one `done` event."""
         rt: Runtime = request.app.state.rt
@@ -332,7 +332,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
                                "next_token_text": rt.tokenizer.decode([payload["next_token"]])}
                 yield {"event": kind, "data": json.dumps(payload)}
 
-        return EventSourceResponse(sse(), ping=15)
+        return BoundedEventSource(sse(), rt.settings.stream_send_timeout_s)
 
     return app
 

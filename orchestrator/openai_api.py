@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
-from sse_starlette.sse import EventSourceResponse
 
 from orchestrator.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from orchestrator.streams import BoundedEventSource
 from specdec import params as sm
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -135,4 +135,4 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool):
                 break
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(sse(), ping=15)
+    return BoundedEventSource(sse(), rt.settings.stream_send_timeout_s)

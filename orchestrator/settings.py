@@ -67,6 +67,14 @@ class OrchestratorSettings(BaseSettings):
     max_concurrent_requests_per_key: int = Field(
         16, ge=1, description="More concurrent generations under one API key get HTTP 429 (with API keys set)."
     )
+    stream_send_timeout_s: float = Field(
+        30.0, gt=0, description="A stream whose client takes no event for this long is cancelled: its generation "
+                                "stops, its sessions are released and its slot is freed (a client that stopped reading).",
+    )
+    stream_send_buffer_kb: int = Field(
+        256, ge=0, description="Send buffer of each client connection in KiB (0: the kernel's own, which grows to "
+                               "several MiB): what may wait for a client that stopped reading before the send timeout runs.",
+    )
     model_name: str | None = Field(None, description="Model name reported by /v1/models; default: the target's model id.")
     log_level: str = Field("INFO", description="Python logging level.")
     # A comma-separated string, not a list: pydantic-settings would otherwise expect JSON in the variable.

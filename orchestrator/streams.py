@@ -1,0 +1,53 @@
+"""Server-sent event responses that a client which stops reading cannot hold.
+
+A client that opens a stream and never reads it would otherwise be served as if it read: every
+event is computed and buffered (in the kernel's socket buffers, then in the server's), the slot and
+both model sessions stay taken, and once the buffers fill nothing ever frees them. Two bounds end
+that: the send buffer of every client connection is fixed (:func:`listening_socket`), so at most a
+few hundred KiB wait for a silent client, and an event that cannot be handed to the connection
+within ``send_timeout`` seconds cancels the stream (:class:`BoundedEventSource`): the generator is
+closed, which stops the loop, releases both sessions and frees the slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+from prometheus_client import Counter
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
+
+logger = logging.getLogger(__name__)
+
+STALLED = Counter("specdec_streams_stalled_total", "Event streams cancelled because the client took no event in time.")
+
+
+class BoundedEventSource(EventSourceResponse):
+    """An ``EventSourceResponse`` with a send timeout whose expiry ends the stream quietly (a
+    warning and :data:`STALLED`, not an application error): the client is gone or not reading."""
+
+    def __init__(self, content: Any, send_timeout: float, ping: float = 15) -> None:
+        super().__init__(content, ping=ping, send_timeout=send_timeout)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            STALLED.inc()
+            client = scope.get("client") or ("?", 0)
+            logger.warning("stream to %s:%s cancelled: the client took no event for %.0f s", *client[:2], self.send_timeout)
+
+
+def listening_socket(host: str, port: int, send_buffer_bytes: int) -> socket.socket:
+    """A bound TCP socket for uvicorn whose accepted connections inherit ``send_buffer_bytes`` as
+    their send buffer (Linux copies it from the listening socket; a fixed size also turns the
+    kernel's growth of it off), so a client that stops reading blocks the next send soon."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    sock.bind((host.strip("[]"), port))
+    sock.set_inheritable(True)
+    return sock

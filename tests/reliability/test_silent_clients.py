@@ -1,0 +1,91 @@
+"""Streaming clients that stop reading: each stream is cancelled within the send timeout once the
+bounded buffers fill, its generation stops, both sessions are released and its slot is freed."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.conftest import running_stack
+from tests.reliability.helpers import summarize, wait_released, write_report
+
+pytestmark = [pytest.mark.reliability, pytest.mark.embedded]
+
+SLOTS = 4
+SEND_TIMEOUT_S = 3
+MAX_TOKENS = 2048
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    env = {"SPECDEC_ORCHESTRATOR_STREAM_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S),
+           "SPECDEC_ORCHESTRATOR_STREAM_SEND_BUFFER_KB": "32",
+           "SPECDEC_ORCHESTRATOR_MAX_CONCURRENT_REQUESTS": str(SLOTS),
+           "SPECDEC_ORCHESTRATOR_MAX_TOKENS_LIMIT": str(MAX_TOKENS)}
+    with running_stack(tmp_path_factory.mktemp("silent-logs"), env) as s:
+        yield s
+
+
+def silent_stream(url: str, path: str, body: dict) -> socket.socket:
+    """Send a streaming request on a socket with a small receive buffer and never read it."""
+    parts = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((parts.hostname, parts.port))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_streams_whose_clients_never_read_are_cancelled_and_free_their_slots(stack):
+    url = stack["url"]
+    body = {"prompt": "Write a very long story about a lighthouse.", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    stalled_before = metric(url, "specdec_streams_stalled_total")
+    generated_before = metric(url, 'specdec_generated_tokens_total{mode="speculative"}')
+    t0 = time.monotonic()
+    socks = [silent_stream(url, "/v1/generate/stream", body) for _ in range(SLOTS - 1)]
+    socks.append(silent_stream(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": body["prompt"]}],
+                                                              "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}))
+    try:
+        # every slot is taken, then freed once the streams stall
+        deadline = t0 + 240
+        active = None
+        while time.monotonic() < deadline:
+            active = httpx.get(f"{url}/v1/server", timeout=10).json()["active_streams"]
+            if active == 0 and metric(url, "specdec_streams_stalled_total") - stalled_before >= SLOTS:
+                break
+            time.sleep(0.5)
+        freed_after_s = time.monotonic() - t0
+        stalled = metric(url, "specdec_streams_stalled_total") - stalled_before
+        generated = metric(url, 'specdec_generated_tokens_total{mode="speculative"}') - generated_before
+        released = wait_released(stack["ports"], timeout_s=20)
+        # a fresh request is admitted and served while the silent sockets are still open
+        fresh = httpx.post(f"{url}/v1/generate", json={"prompt": "Hi", "max_tokens": 8}, timeout=120)
+    finally:
+        for s in socks:
+            s.close()
+    report = {"silent_clients": SLOTS, "send_timeout_s": SEND_TIMEOUT_S, "max_tokens": MAX_TOKENS,
+              "slots_freed_after_s": round(freed_after_s, 1), "streams_stalled": stalled,
+              "tokens_generated_for_them": generated, "tokens_asked": SLOTS * MAX_TOKENS, "held_after": released}
+    write_report("silent_clients", report)
+    summarize("silent streaming clients", [
+        f"{SLOTS} clients asked {MAX_TOKENS} tokens each and read nothing: cancelled after {freed_after_s:.0f} s "
+        f"(send timeout {SEND_TIMEOUT_S} s, send buffer 32 KiB), {generated:.0f} of {SLOTS * MAX_TOKENS} tokens computed",
+        f"held after: {released}; a fresh request then got {fresh.status_code}"])
+    assert active == 0 and stalled >= SLOTS, report
+    assert generated < SLOTS * MAX_TOKENS / 2, report  # the answers were not computed for nobody
+    assert released == {k: {"sessions": 0, "kv_bytes": 0} for k in stack["ports"]}, report
+    assert fresh.status_code == 200, fresh.text
