@@ -3,7 +3,7 @@
 A client that opens a stream and never reads it would otherwise be served as if it read: every
 event is computed and buffered (in the kernel's socket buffers, then in the server's), the slot and
 both model sessions stay taken, and once the buffers fill nothing ever frees them. Two bounds end
-that: the send buffer of every client connection is fixed (:func:`listening_socket`), so at most a
+that: the send buffer of every client connection is fixed (:class:`BoundedServer`), so at most a
 few hundred KiB wait for a silent client, and an event that cannot be handed to the connection
 within ``send_timeout`` seconds cancels the stream (:class:`BoundedEventSource`): the generator is
 closed, which stops the loop, releases both sessions and frees the slot.
@@ -15,6 +15,7 @@ import logging
 import socket
 from typing import Any
 
+import uvicorn
 from prometheus_client import Counter
 from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 
@@ -39,15 +40,19 @@ class BoundedEventSource(EventSourceResponse):
             logger.warning("stream to %s:%s cancelled: the client took no event for %.0f s", *client[:2], self.send_timeout)
 
 
-def listening_socket(host: str, port: int, send_buffer_bytes: int) -> socket.socket:
-    """A bound TCP socket for uvicorn whose accepted connections inherit ``send_buffer_bytes`` as
-    their send buffer (Linux copies it from the listening socket; a fixed size also turns the
-    kernel's growth of it off), so a client that stops reading blocks the next send soon."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if send_buffer_bytes:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
-    sock.bind((host.strip("[]"), port))
-    sock.set_inheritable(True)
-    return sock
+class BoundedServer(uvicorn.Server):
+    """uvicorn's server whose client connections each get a send buffer of ``send_buffer_bytes``
+    (0: the kernel's own): Linux copies it from the listening socket to every accepted one, and a
+    fixed size also turns the kernel's growth of it off, so a client that stops reading blocks the
+    next send after a few hundred KiB instead of several MiB."""
+
+    def __init__(self, config: uvicorn.Config, send_buffer_bytes: int) -> None:
+        super().__init__(config)
+        self.send_buffer_bytes = send_buffer_bytes
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.send_buffer_bytes:
+            for server in getattr(self, "servers", []):
+                for sock in server.sockets:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)

@@ -242,8 +242,10 @@ def test_draft_killed_mid_request_keeps_output(tmp_path, embedded_stack):
         assert done["stats"]["draft_fallbacks"] >= 1
         steps = [d for e, d in events if e == "step"]
         assert any(s["draft_error"] for s in steps) and steps[-1]["draft"] == []
-        # not ready without a draft, but still serving (plain decoding)
-        assert httpx.get(url + "/ready").status_code == 503
+        # ready but degraded without a draft (a draft outage keeps the orchestrator in its load
+        # balancer), still serving the same output by plain decoding
+        ready = httpx.get(url + "/ready")
+        assert ready.status_code == 200 and "unreachable" in ready.json()["degraded"]
         assert gen(url, prompt="Hi", max_tokens=4)["stats"]["draft_tokens"] == 0
     finally:
         orch.stop()
