@@ -29,7 +29,7 @@ def main() -> None:
     compute = ComputeThread(settings.max_queued_calls, "draft", settings.batch_gather_ms)
     proposer = create_proposer(settings)
     server, port, health = build_server(proposer, settings.address, settings.workers, compute, **security)
-    start_metrics(settings.metrics_port)
+    start_metrics(settings.metrics_port, settings.host)
     info = proposer.info()
     logger.info(
         "draft %s (%s backend, %s, vocab %d, context %d) ready on port %d in %.1f s",

@@ -7,10 +7,12 @@ detail) with a reason a client can act on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -307,7 +309,8 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
     async def generate_route(body: GenerateRequest, request: Request) -> GenerateResponse:
         """Generate a continuation of `prompt`; the response lists every speculative step."""
         rt: Runtime = request.app.state.rt
-        run = prepare(rt, body, request_prompt(rt, body), body.max_tokens, body.stop, body.ignore_eos,
+        prompt_ids = await tokenize(rt, client_key(request), request_prompt, rt, body)
+        run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos,
                       sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed)), client_key(request))
         steps, result = await collect(run, request)
         return GenerateResponse(
@@ -321,7 +324,8 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         """The same as /v1/generate as server-sent events: a `step` event per iteration (accepted and
         rejected draft tokens, correction or bonus, text delta, timings), then one `done` event."""
         rt: Runtime = request.app.state.rt
-        run = prepare(rt, body, request_prompt(rt, body), body.max_tokens, body.stop, body.ignore_eos,
+        prompt_ids = await tokenize(rt, client_key(request), request_prompt, rt, body)
+        run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos,
                       sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed)), client_key(request))
         events = await start_stream(run, request)
 
@@ -391,6 +395,30 @@ def require_ready(rt: Runtime) -> None:
         raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
 
 
+# Tokenising and chat-templating run here, off the event loop (a 1 MiB prompt takes long enough to
+# stall every stream), one at a time: a fast tokenizer's settings are mutated by each call, so
+# concurrent calls on one tokenizer can fail ("Already borrowed").
+_TOKENIZER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+
+async def tokenize(rt: Runtime, key: str | None, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    """``fn(*args)`` (prompt -> token ids) on the tokenizer thread, after the admission checks that
+    need no tokens: a request that would get 429 is refused before its prompt costs anything."""
+    require_ready(rt)
+    check_admission(rt, key)
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREAD, functools.partial(fn, *args))
+
+
+def check_admission(rt: Runtime, key: str | None) -> None:
+    """429 when every slot, or every slot of ``key``, is taken (takes none)."""
+    s = rt.settings
+    if rt.active >= s.max_concurrent_requests:
+        raise too_busy(f"too many concurrent requests (limit {s.max_concurrent_requests}); retry shortly")
+    if key is not None and rt.active_per_key.get(key, 0) >= s.max_concurrent_requests_per_key:
+        raise too_busy(f"too many concurrent requests for this API key (limit {s.max_concurrent_requests_per_key}); "
+                       "retry shortly")
+
+
 def encode_prompt(rt: Runtime, prompt: str) -> list[int]:
     require_ready(rt)
     try:
@@ -440,12 +468,9 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
         ignore_eos=ignore_eos,
         overlap=spec.overlap if spec.overlap is not None else {"on": True, "off": False, "auto": None}[s.default_overlap],
     )
-    # Admission last: everything above only reads, so a rejected request holds no slot.
-    if rt.active >= s.max_concurrent_requests:
-        raise too_busy(f"too many concurrent requests (limit {s.max_concurrent_requests}); retry shortly")
-    if key is not None and rt.active_per_key.get(key, 0) >= s.max_concurrent_requests_per_key:
-        raise too_busy(f"too many concurrent requests for this API key (limit {s.max_concurrent_requests_per_key}); "
-                       "retry shortly")
+    # Admission last (again: slots may have filled while the prompt was tokenised): everything
+    # above only reads, so a rejected request holds no slot.
+    check_admission(rt, key)
     rt.active += 1
     rt.costs.streams = rt.active
     if key is not None:

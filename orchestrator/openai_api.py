@@ -62,22 +62,22 @@ async def models(request: Request) -> dict[str, Any]:
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion."""
-    from orchestrator.app import client_key, encode_prompt, prepare
+    from orchestrator.app import client_key, encode_prompt, prepare, tokenize
 
     rt = request.app.state.rt
     sampling = sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed))
-    run = prepare(rt, body, encode_prompt(rt, body.prompt), body.max_tokens, body.stop, False, sampling,
-                  client_key(request))
+    prompt_ids = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt)
+    run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, False, sampling, client_key(request))
     return await _respond(run, request, body.stream, chat=False)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion (the prompt is built with the tokenizer's chat template)."""
-    from orchestrator.app import client_key, prepare
+    from orchestrator.app import client_key, prepare, tokenize
 
     rt = request.app.state.rt
-    prompt_ids = chat_prompt_ids(rt, body.messages)
+    prompt_ids = await tokenize(rt, client_key(request), chat_prompt_ids, rt, body.messages)
     sampling = sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed))
     max_tokens = body.max_completion_tokens or body.max_tokens
     run = prepare(rt, body, prompt_ids, max_tokens, body.stop, False, sampling, client_key(request))

@@ -147,9 +147,15 @@ def load_hf(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
         lm = AutoModelForCausalLM.from_pretrained(
-            source, dtype=getattr(torch, dtype), trust_remote_code=False, use_safetensors=None
+            source, dtype=getattr(torch, dtype), trust_remote_code=False, use_safetensors=True
         )
     except OSError as exc:
+        if "safetensors" in str(exc).lower() or "model.safetensors" in str(exc):
+            raise NotFound(
+                f"cannot load model {model!r}: no safetensors weights found ({exc}). specdec loads only safetensors: "
+                "pickled weights (pytorch_model.bin) can run code when loaded. Convert them once where you trust "
+                "them, e.g. model.save_pretrained(folder) (safetensors by default)."
+            ) from exc
         raise NotFound(
             f"cannot load model {model!r}: {exc}. Give a local path, the id of a model in the local "
             "Hugging Face cache (HF_HOME), or 'embedded'."

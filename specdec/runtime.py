@@ -69,14 +69,15 @@ def configure_torch(threads: int) -> None:
                 f"{MMAP_THRESHOLD} B" if allocator else os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc's"))
 
 
-def start_metrics(port: int | None) -> None:
-    """Serve Prometheus /metrics on ``port`` (None disables)."""
+def start_metrics(port: int | None, host: str = "127.0.0.1") -> None:
+    """Serve Prometheus /metrics on ``host``:``port`` (None disables). Services pass their own
+    ``host``, so metrics are no more exposed than the gRPC port (loopback unless configured)."""
     if port is None:
         return
     from prometheus_client import start_http_server
 
-    start_http_server(port)
-    logger.info("metrics on :%d/metrics", port)
+    start_http_server(port, addr=host.strip("[]"))
+    logger.info("metrics on %s:%d/metrics", host, port)
 
 
 def host_id() -> str:

@@ -48,7 +48,10 @@ class ModelServiceSettings(BaseSettings):
         8.0, gt=0, description="A forward pass still running after this long is taken for a hang: gRPC health says "
                                "NOT_SERVING until it returns (probes then restart or route around the service).",
     )
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="Prometheus /metrics port, on the same interface as the gRPC port (host); unset disables.",
+    )
     cache_dir: Path = Field(default_factory=default_cache_dir, description="Where converted models are cached.")
     log_level: str = Field("INFO", description="Python logging level.")
     auth_token: SecretStr | None = Field(

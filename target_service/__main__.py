@@ -33,7 +33,7 @@ def main() -> None:
                           settings.shared_prefill_rows, settings.pack_weights,
                           use_runner=settings.runner == "auto")
     server, port, health = build_server(engine, settings.address, settings.workers, compute, **security)
-    start_metrics(settings.metrics_port)
+    start_metrics(settings.metrics_port, settings.host)
     info = engine.info()
     logger.info(
         "target %s (%s, %s, vocab %d, context %d) ready on port %d in %.1f s",

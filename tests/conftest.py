@@ -60,6 +60,21 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     }
 
 
+@pytest.fixture(scope="module")
+def tiny_target_server(tiny_models):
+    """(port, model path): a target service on the tiny GPT-2, a real gRPC server in this process."""
+    from specdec.models import load_hf
+    from specdec.sessions import SessionStore
+    from target_service.engine import TargetEngine
+    from target_service.servicer import build_server
+
+    engine = TargetEngine(load_hf(tiny_models["gpt2-target"]), SessionStore(8, 1 << 30, 0), max_draft_tokens=8)
+    server, port, _ = build_server(engine, "127.0.0.1:0")
+    server.start()
+    yield port, tiny_models["gpt2-target"]
+    server.stop(0)
+
+
 @pytest.fixture(scope="session")
 def embedded_target():
     """The embedded default target (SmolLM2-135M-Instruct, fp32), loaded once."""

@@ -117,6 +117,17 @@ def test_every_process_binds_loopback_by_default():
         assert f"SPECDEC_{process}_HOST=0.0.0.0" in dockerfile
 
 
+def test_metrics_listen_where_the_service_does():
+    from specdec.runtime import start_metrics
+
+    port = free_port()
+    start_metrics(port, "127.0.0.1")
+    listening = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    local = {line.split()[1] for line in listening if line.split()[3] == "0A"}  # LISTEN
+    assert f"0100007F:{port:04X}" in local and f"00000000:{port:04X}" not in local
+    assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 200
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"tls_cert_file": "c.pem"}, "go together"),
     ({"tls_client_ca_file": "ca.pem"}, "needs tls_cert_file"),

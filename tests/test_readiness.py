@@ -3,29 +3,15 @@ draft is unreachable: ready but degraded, and requests decode without drafts, un
 
 from __future__ import annotations
 
-import pytest
 from fastapi.testclient import TestClient
 
 from orchestrator.app import create_app
 from orchestrator.settings import OrchestratorSettings
-from specdec.models import load_hf
-from specdec.sessions import SessionStore
-from target_service.engine import TargetEngine
-from target_service.servicer import build_server
 from tests.conftest import free_port
 
 
-@pytest.fixture(scope="module")
-def target(tiny_models):
-    engine = TargetEngine(load_hf(tiny_models["gpt2-target"]), SessionStore(8, 1 << 30, 0), max_draft_tokens=8)
-    server, port, _ = build_server(engine, "127.0.0.1:0")
-    server.start()
-    yield port, tiny_models["gpt2-target"]
-    server.stop(0)
-
-
-def test_a_draft_outage_leaves_the_orchestrator_ready_but_degraded(target):
-    port, path = target
+def test_a_draft_outage_leaves_the_orchestrator_ready_but_degraded(tiny_target_server):
+    port, path = tiny_target_server
     dead = f"127.0.0.1:{free_port()}"
     settings = OrchestratorSettings(target_address=f"127.0.0.1:{port}", draft_address=dead, tokenizer=path)
     with TestClient(create_app(settings)) as client:
@@ -42,8 +28,8 @@ def test_a_draft_outage_leaves_the_orchestrator_ready_but_degraded(target):
         assert spec.json()["token_ids"] == plain.json()["token_ids"] and len(plain.json()["token_ids"]) == 6
 
 
-def test_a_target_outage_is_not_ready(target):
-    _, path = target
+def test_a_target_outage_is_not_ready(tiny_target_server):
+    _, path = tiny_target_server
     settings = OrchestratorSettings(target_address=f"127.0.0.1:{free_port()}", draft_address=f"127.0.0.1:{free_port()}",
                                     tokenizer=path)
     with TestClient(create_app(settings)) as client:
