@@ -74,14 +74,17 @@ def wait_grpc(port: int, service: Service, timeout_s: float = 300, host: str = "
 
 
 def wait_ready(url: str, service: Service, timeout_s: float = 300, path: str = "/ready") -> None:
-    """Wait until ``url + path`` answers 200 (raises when ``service`` exits or it times out)."""
+    """Wait until ``url + path`` answers 200, and for the orchestrator's ``/ready`` until it is not
+    degraded either (both model services connected); raises when ``service`` exits or it times out."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         service.check()
         try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
+            r = httpx.get(url + path, timeout=2)
+            # the orchestrator's /ready is 200 while degraded (no draft yet): wait for both services
+            if r.status_code == 200 and not (path == "/ready" and r.json().get("degraded")):
                 return
         except httpx.HTTPError:
             pass

@@ -140,7 +140,9 @@ async def connect(rt: Runtime) -> None:
 async def _keep_connected(rt: Runtime) -> None:
     while True:
         await connect(rt)
-        await asyncio.sleep(2.0 if rt.not_ready else 15.0)
+        # a missing draft is looked for as often as a missing target: requests speculate again
+        # within 2 s of the draft coming back
+        await asyncio.sleep(2.0 if rt.not_ready or rt.degraded else 15.0)
 
 
 class BodyLimit:

@@ -29,11 +29,11 @@ def _save(model, folder: Path) -> str:
     return str(folder)
 
 
-def make_gpt2(folder: Path, seed: int) -> str:
+def make_gpt2(folder: Path, seed: int, positions: int = 96) -> str:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=len(VOCAB), n_positions=96, n_embd=32, n_layer=2, n_head=2,
+    config = GPT2Config(vocab_size=len(VOCAB), n_positions=positions, n_embd=32, n_layer=2, n_head=2,
                         eos_token_id=0, bos_token_id=0)
     return _save(GPT2LMHeadModel(config), folder)
 
@@ -167,7 +167,9 @@ def wait_http(url: str, proc: Proc, timeout_s: float = 120, status: int = 200) -
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
         try:
-            if httpx.get(url, timeout=2).status_code == status:
+            r = httpx.get(url, timeout=2)
+            # the orchestrator's /ready is 200 while degraded (no draft yet): wait for both services
+            if r.status_code == status and not (url.endswith("/ready") and status == 200 and r.json().get("degraded")):
                 return
         except httpx.HTTPError:
             pass

@@ -35,3 +35,31 @@ def test_a_target_outage_is_not_ready(tiny_target_server):
     with TestClient(create_app(settings)) as client:
         r = client.get("/ready")
         assert r.status_code == 503 and r.json()["reason"].startswith("target service at")
+
+
+def test_a_draft_that_comes_back_is_connected_again_within_seconds(tiny_target_server):
+    """While degraded the orchestrator looks for the draft every 2 s (not every 15 s, as when all is
+    well), so requests speculate again soon after the draft returns; /v1/info does not reconnect by
+    itself, so it shows the background loop's work."""
+    import time
+
+    from draft_service.backends.ngram import NgramProposer
+    from draft_service.servicer import build_server as build_draft
+    from specdec.sessions import SessionStore
+
+    port, path = tiny_target_server
+    draft_port = free_port()
+    settings = OrchestratorSettings(target_address=f"127.0.0.1:{port}", draft_address=f"127.0.0.1:{draft_port}",
+                                    tokenizer=path)
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/ready").json()["degraded"]
+        proposer = NgramProposer(SessionStore(4, 1 << 20, 0), 8, max_ngram=3, min_ngram=1, vocab_size=10, max_context=1000)
+        server, _, _ = build_draft(proposer, f"127.0.0.1:{draft_port}")
+        server.start()
+        try:
+            t0 = time.monotonic()
+            while client.get("/v1/info").json()["degraded"]:
+                assert time.monotonic() - t0 < 6, "the draft was not looked for again within 6 s"
+                time.sleep(0.2)
+        finally:
+            server.stop(0)

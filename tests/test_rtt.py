@@ -24,6 +24,7 @@ from evaluation.rtt import (
     service_env,
     summarise,
 )
+from tests.conftest import make_gpt2
 
 # ---- argument parsing -------------------------------------------------------------------------------
 
@@ -168,14 +169,18 @@ def test_namespace_needs_root_and_fits_interface_names(monkeypatch):
 # ---- a real run ---------------------------------------------------------------------------------------
 
 
-def test_rtt_benchmark_end_to_end_on_tiny_models(tmp_path, tiny_models, monkeypatch):
-    """Tiny models, RTT 0 and 20 ms, one prompt, 16 tokens: the proxy adds the round trip it should,
-    every speculative mode matches autoregressive decoding, and the namespace is gone afterwards."""
+def test_rtt_benchmark_end_to_end_on_tiny_models(tmp_path, monkeypatch):
+    """Tiny models, RTT 0 and 20 ms, one prompt, 64 tokens: the proxy adds the round trip it should,
+    every speculative mode matches autoregressive decoding, and the namespace is gone afterwards.
+    The models hold 256 positions: a request's first steps run plainly while the draft catches up on
+    the prompt in the background, and over 20 ms that took ~15 tiny-model steps, longer than the
+    ~20 tokens the fixtures' 96-position models leave after the prompt."""
     monkeypatch.setenv("SPECDEC_TARGET_THREADS", "1")
     monkeypatch.setenv("SPECDEC_DRAFT_THREADS", "1")
     out = tmp_path / "out"
-    argv = ["--target", tiny_models["gpt2-target"], "--draft", tiny_models["gpt2-draft"], "--draft-backend", "transformers",
-            "--rtt-ms", "0,20", "--prompts", "1", "--max-tokens", "16", "--out", str(out)]
+    target, draft = make_gpt2(tmp_path / "target", 0, positions=256), make_gpt2(tmp_path / "draft", 1, positions=256)
+    argv = ["--target", target, "--draft", draft, "--draft-backend", "transformers",
+            "--rtt-ms", "0,20", "--prompts", "1", "--max-tokens", "64", "--out", str(out)]
     assert main(argv) == 0
 
     results = json.loads((out / "rtt.json").read_text())
@@ -187,7 +192,7 @@ def test_rtt_benchmark_end_to_end_on_tiny_models(tmp_path, tiny_models, monkeypa
     assert {(s["rtt_ms"], s["mode"]) for s in results["summary"]} == {(r, m) for r in (0, 20) for m in MODES}
     assert len(results["rows"]) == 2 * len(MODES)
     for r in results["rows"]:
-        assert r["tokens"] == 16 and r["tokens_per_second"] > 0 and r["draft_fallbacks"] == 0, r
+        assert r["tokens"] == 64 and r["tokens_per_second"] > 0 and r["draft_fallbacks"] == 0, r
         if r["mode"] == "autoregressive":
             assert r["mean_k"] == 0 and r["predrafted_iterations"] == 0
         elif r["mode"].endswith("-k4"):
