@@ -107,10 +107,10 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
     fast = engine.lm.fast_linears
     runner = engine.lm.runner
     default = fast.kernel
-    missing = [k for k in args.kernels if k not in fast.kernels and not (k == "runner" and runner is not None)]
+    available = ("runner",) * (runner is not None) + fast.kernels
+    missing = [k for k in args.kernels if k not in available]
     if missing:
-        raise SystemExit(f"this model and torch build cannot run {', '.join(missing)}; they have "
-                         f"{', '.join(('runner',) * (runner is not None) + fast.kernels)}")
+        raise SystemExit(f"this model and torch build cannot run {', '.join(missing)}; they have {', '.join(available)}")
     rng = random.Random(0)
     out = {}
     for q in args.rows:
@@ -169,13 +169,15 @@ def render(target: dict[tuple[str, int, int], float], draft: dict[int, float], a
         return what if len(args.kernels) == 1 else f"{what}, {kernel}"
 
     cols = [(kernel, q) for kernel in args.kernels for q in args.rows]
-    drafts = ["draft step (ms)"] if draft else []
-    head = ["sessions B", *(name(k, f"target B×{q} (ms)") for k, q in cols), *drafts,
-            *(name(k, f"target per row, q={q} (ms)") for k, q in cols), *(["draft per session (ms)"] if draft else [])]
+    # the draft's two columns (none with --draft none): a step, then per session
+    draft_head = ["draft step (ms)", "draft per session (ms)"] if draft else []
+    head = ["sessions B", *(name(k, f"target B×{q} (ms)") for k, q in cols), *draft_head[:1],
+            *(name(k, f"target per row, q={q} (ms)") for k, q in cols), *draft_head[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for b in args.batches:
-        cells = [str(b), *(report.fmt(target[(k, b, q)]) for k, q in cols), *([report.fmt(draft[b])] if draft else []),
-                 *(report.fmt(target[(k, b, q)] / (b * q)) for k, q in cols), *([report.fmt(draft[b] / b)] if draft else [])]
+        drafted = [report.fmt(draft[b]), report.fmt(draft[b] / b)] if draft else []
+        cells = [str(b), *(report.fmt(target[(k, b, q)]) for k, q in cols), *drafted[:1],
+                 *(report.fmt(target[(k, b, q)] / (b * q)) for k, q in cols), *drafted[1:]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,14 @@ def wait_grpc(port: int, service: Service, timeout_s: float = 300, host: str = "
     raise TimeoutError(f"{service.name} not serving on {host}:{port} after {timeout_s:.0f} s:\n{service.tail()}")
 
 
+def answered(response: Any, path: str, status: int = 200) -> bool:
+    """Whether ``response`` to ``path`` is the wanted ``status``; the orchestrator's ``/ready`` also
+    has to be without ``degraded`` (it is 200 while the draft is not connected yet)."""
+    if response.status_code != status:
+        return False
+    return not (path.endswith("/ready") and status == 200 and response.json().get("degraded"))
+
+
 def wait_ready(url: str, service: Service, timeout_s: float = 300, path: str = "/ready") -> None:
     """Wait until ``url + path`` answers 200, and for the orchestrator's ``/ready`` until it is not
     degraded either (both model services connected); raises when ``service`` exits or it times out."""
@@ -82,9 +91,7 @@ def wait_ready(url: str, service: Service, timeout_s: float = 300, path: str = "
     while time.monotonic() < deadline:
         service.check()
         try:
-            r = httpx.get(url + path, timeout=2)
-            # the orchestrator's /ready is 200 while degraded (no draft yet): wait for both services
-            if r.status_code == 200 and not (path == "/ready" and r.json().get("degraded")):
+            if answered(httpx.get(url + path, timeout=2), path):
                 return
         except httpx.HTTPError:
             pass

@@ -7,7 +7,6 @@ detail) with a reason a client can act on.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -65,6 +64,11 @@ class Runtime:
     degraded: str = ""
     active: int = 0
     active_per_key: dict[str, int] = field(default_factory=dict)
+    # Tokenising and chat templates run here, off the event loop (a 1 MiB prompt takes long enough
+    # to stall every stream), one at a time: a fast tokenizer's settings are mutated by each call,
+    # so concurrent calls on one tokenizer can fail ("Already borrowed").
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
 
     @property
     def model_name(self) -> str:
@@ -247,6 +251,7 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
             task.cancel()
             await rt.draft.close()
             await rt.target.close()
+            rt.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(
         title="specdec orchestrator",
@@ -397,18 +402,12 @@ def require_ready(rt: Runtime) -> None:
         raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
 
 
-# Tokenising and chat-templating run here, off the event loop (a 1 MiB prompt takes long enough to
-# stall every stream), one at a time: a fast tokenizer's settings are mutated by each call, so
-# concurrent calls on one tokenizer can fail ("Already borrowed").
-_TOKENIZER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-
-
 async def tokenize(rt: Runtime, key: str | None, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-    """``fn(*args)`` (prompt -> token ids) on the tokenizer thread, after the admission checks that
-    need no tokens: a request that would get 429 is refused before its prompt costs anything."""
+    """``fn(*args)`` (prompt -> token ids) on :attr:`Runtime.tokenizer_thread`, after the admission
+    checks that need no tokens: a request that would get 429 is refused before its prompt costs anything."""
     require_ready(rt)
     check_admission(rt, key)
-    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREAD, functools.partial(fn, *args))
+    return await asyncio.get_running_loop().run_in_executor(rt.tokenizer_thread, fn, *args)
 
 
 def check_admission(rt: Runtime, key: str | None) -> None:

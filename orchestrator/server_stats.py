@@ -310,7 +310,8 @@ async def server(request: Request) -> dict[str, Any]:
     return {
         "timestamp": round(time.time(), 3),
         "ready": not rt.not_ready,
-        "reason": rt.not_ready or rt.degraded,
+        "reason": rt.not_ready,
+        "degraded": rt.degraded,
         "active_streams": rt.active,
         "max_concurrent_requests": rt.settings.max_concurrent_requests,
         **orchestrator_view(stats.local.latest(), stats.local.window()),

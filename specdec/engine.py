@@ -19,7 +19,7 @@ import torch
 from specdec.errors import InvalidArgument
 from specdec.params import ModelInfo  # noqa: F401  (re-exported)
 from specdec.ragged import RaggedBatch, Segment, SessionKV, kv_geometry, ragged_attention_on
-from specdec.runner import PACK_PAD_ROWS, RunnerBatch, fused_groups, padded_rows, runner_for  # noqa: F401
+from specdec.runner import RunnerBatch, fused_groups, pad_rows, runner_for
 from specdec.sessions import Session, SessionStore, common_prefix_len
 
 logger = logging.getLogger(__name__)
@@ -224,10 +224,8 @@ class _FastLinears:
 
     def _packed_forward(self, module: Any, x2: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         rows = x2.shape[0]
-        if rows and padded_rows(rows) != rows:
-            x2 = torch.cat((x2, x2.new_zeros(padded_rows(rows) - rows, x2.shape[1])))
         p = self._packed[id(module)]
-        y = self._onednn(x2.contiguous(), p.weight, p.bias, "none", [], "")
+        y = self._onednn(pad_rows(x2).contiguous(), p.weight, p.bias, "none", [], "")
         if p.fused:  # this layer's columns of its group's output (transformers' own forward only)
             y = y[:, p.start:p.end]
         return y[:rows].reshape(*shape[:-1], y.shape[-1])

@@ -150,7 +150,7 @@ def load_hf(
             source, dtype=getattr(torch, dtype), trust_remote_code=False, use_safetensors=True
         )
     except OSError as exc:
-        if "safetensors" in str(exc).lower() or "model.safetensors" in str(exc):
+        if "safetensors" in str(exc).lower():
             raise NotFound(
                 f"cannot load model {model!r}: no safetensors weights found ({exc}). specdec loads only safetensors: "
                 "pickled weights (pytorch_model.bin) can run code when loaded. Convert them once where you trust "

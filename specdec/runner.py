@@ -57,6 +57,14 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows, features] with zero rows appended up to :func:`padded_rows` (none are added to
+    an empty ``x``)."""
+    rows = x.shape[0]
+    pad = padded_rows(rows) - rows if rows else 0
+    return torch.cat((x, x.new_zeros(pad, x.shape[1]))) if pad else x
+
+
 @dataclass
 class RunnerBatch:
     """One planned forward: every segment's new tokens packed into one sequence of rows."""
@@ -124,14 +132,6 @@ class _Runner:
         values into its KV buffer (positions ``start .. start + rows``)."""
         raise NotImplementedError
 
-    @staticmethod
-    def _padded(x: torch.Tensor) -> torch.Tensor:
-        """``x`` with zero rows appended up to :func:`padded_rows` (the runner pads the
-        whole hidden state once, not every linear)."""
-        rows = x.shape[0]
-        pad = padded_rows(rows) - rows
-        return torch.cat((x, x.new_zeros(pad, x.shape[1]))) if pad else x
-
     def _masks(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
         """Per segment, the additive causal mask of its grouped query rows over its keys
         ([group * rows, start + rows], 0 or -inf), built once per forward for every layer."""
@@ -171,7 +171,7 @@ class _Runner:
         rows = keep.shape[0]
         if not rows:  # a prefill chunk: its keys and values are all it is for
             return x.new_empty(0, self.lm_head.out_features)
-        h = norm(self._padded(x.index_select(0, keep)))
+        h = norm(pad_rows(x.index_select(0, keep)))
         return self.lm_head(h)[:rows]
 
 
@@ -216,7 +216,7 @@ class LlamaRunner(_Runner):
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         t = batch.ids.shape[0]
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
-        x = self._padded(F.embedding(batch.ids, self.embed))
+        x = pad_rows(F.embedding(batch.ids, self.embed))
         tp = x.shape[0]
         positions = batch.positions if tp == t else torch.cat((batch.positions, batch.positions.new_zeros(tp - t)))
         cos, sin = self.rotary(x, positions[None])  # [1, Tp, D]: cos and sin repeated over both halves
@@ -271,7 +271,7 @@ class GPT2Runner(_Runner):
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         heads, d, n = self.heads, self.head_dim, self.hidden
-        x = self._padded(F.embedding(batch.ids, self.wte) + F.embedding(batch.positions, self.wpe))
+        x = pad_rows(F.embedding(batch.ids, self.wte) + F.embedding(batch.positions, self.wpe))
         tp = x.shape[0]
         masks = self._masks(batch.segments)
         attn = x.new_zeros(tp, n)

@@ -107,6 +107,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
+from evaluation.procs import answered  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -167,9 +169,7 @@ def wait_http(url: str, proc: Proc, timeout_s: float = 120, status: int = 200) -
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
         try:
-            r = httpx.get(url, timeout=2)
-            # the orchestrator's /ready is 200 while degraded (no draft yet): wait for both services
-            if r.status_code == status and not (url.endswith("/ready") and status == 200 and r.json().get("degraded")):
+            if answered(httpx.get(url, timeout=2), url, status):
                 return
         except httpx.HTTPError:
             pass

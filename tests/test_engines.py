@@ -220,7 +220,8 @@ def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
     stock kernel runs."""
     import torch
 
-    from specdec.engine import ONEDNN_MIN_ROWS, PACK_PAD_ROWS, fast_linears
+    from specdec.engine import ONEDNN_MIN_ROWS, fast_linears
+    from specdec.runner import padded_rows
 
     loaded = load_hf(tiny_models["llama-target"])
     fast_linears(loaded.model, keep_row_major=True)  # to compare kernels, as evaluation.batchcost does
@@ -243,7 +244,7 @@ def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
             with torch.inference_mode(), fast.active():
                 y = linear(x)
             assert y.shape == stock.shape and torch.allclose(y, stock, rtol=1e-5, atol=1e-5), (kernel, n)
-        expected = {"packed": [(max(n, PACK_PAD_ROWS), True) for n in rows],  # fewer rows padded
+        expected = {"packed": [(padded_rows(n), True) for n in rows],  # fewer rows padded
                     "onednn": [(n, False) for n in rows if n >= ONEDNN_MIN_ROWS], "mkl": []}[kernel]
         assert calls == expected, kernel
         linear(torch.randn(1, 9, linear.in_features))  # not inside a forward of the engine: stock
