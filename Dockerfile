@@ -93,6 +93,9 @@ ENV SPECDEC_DRAFT_HOST=0.0.0.0 \
 COPY --from=deps /opt/venv /opt/venv
 # Read-only for the services: they find the converted model and never write there.
 COPY --from=embedded /opt/specdec/cache /opt/specdec/cache
+# The one writable folder of the cache: GGUF files the draft converts for llama.cpp (a volume in
+# compose.yaml, an emptyDir in deploy/).
+RUN mkdir -p /opt/specdec/cache/gguf && chown specdec:specdec /opt/specdec/cache/gguf
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels
 USER 10001:10001

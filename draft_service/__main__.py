@@ -6,6 +6,7 @@ import logging
 import time
 
 from draft_service.settings import DraftSettings
+from specdec.errors import SpecdecError
 from specdec.runtime import configure_torch, start_metrics
 from specdec.scheduler import ComputeThread
 from specdec.server import configure_logging, serve_forever
@@ -27,7 +28,11 @@ def main() -> None:
     t0 = time.perf_counter()
     # this (main) thread loads the model and runs every forward pass
     compute = ComputeThread(settings.max_queued_calls, "draft", settings.batch_gather_ms)
-    proposer = create_proposer(settings)
+    try:
+        proposer = create_proposer(settings)  # with llamacpp, may convert the model first (once, cached)
+    except SpecdecError as exc:  # a missing model, a conversion that cannot be done: say so, no traceback
+        logger.error("cannot start the draft service: %s", exc)
+        raise SystemExit(2) from None
     server, port, health = build_server(proposer, settings.address, settings.workers, compute, **security)
     start_metrics(settings.metrics_port, settings.host)
     info = proposer.info()

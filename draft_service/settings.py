@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from specdec.gguf_convert import DEFAULT_QUANT, QUANTS
+from specdec.models import EMBEDDED
 from specdec.settings import ModelServiceSettings
 
 
@@ -17,6 +19,22 @@ class DraftSettings(ModelServiceSettings):
 
     backend: Literal["llamacpp", "transformers", "ngram"] = Field(
         "llamacpp", description="Draft backend: llamacpp (GGUF), transformers (any causal LM), ngram (prompt lookup)."
+    )
+    model: str = Field(
+        EMBEDDED,
+        description="Hugging Face id, local checkpoint folder, .gguf file (llamacpp), 'embedded', or 'target' (llamacpp: "
+                    "the target model itself, converted: self-speculation with no second model). With llamacpp a "
+                    "model that is not a .gguf file is converted once with llama.cpp's converter and cached under "
+                    "cache_dir/gguf (`python -m specdec.gguf_convert MODEL` does it ahead of time).",
+    )
+    quant: Literal[QUANTS] = Field(  # type: ignore[valid-type]
+        DEFAULT_QUANT,
+        description="llamacpp backend: the GGUF type a converted model gets (not the shipped embedded file, nor a "
+                    ".gguf file given as model); q4_0 measured fastest at equal acceptance (docs/benchmarks.md).",
+    )
+    target_model: str = Field(
+        EMBEDDED, validation_alias=AliasChoices("target_model", "SPECDEC_DRAFT_TARGET_MODEL", "SPECDEC_TARGET_MODEL"),
+        description="The target model, for model=target: SPECDEC_DRAFT_TARGET_MODEL, else SPECDEC_TARGET_MODEL.",
     )
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks a free one).")
     threads: int = Field(0, ge=0, description="Compute threads; 0 uses every core the process may use.")

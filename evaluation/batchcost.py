@@ -72,22 +72,34 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 def random_model(name: str, cache_dir: Path) -> str:
     """The folder of ``random:NAME``: the model's real configuration with random weights (seed 0)
-    and a one-word tokenizer (costs need the shapes, not the vocabulary), saved once."""
+    and the embedded model's byte-level BPE tokenizer (costs need the shapes, not the vocabulary;
+    a real BPE tokenizer lets llama.cpp's converter convert it), saved once."""
     import torch
-    from tokenizers import Tokenizer, models
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from specdec.models import load_tokenizer
 
     if name not in RANDOM_CONFIGS:
         raise SystemExit(f"unknown random model {name!r}; choose from {', '.join(RANDOM_CONFIGS)}")
-    folder = cache_dir / "random-models" / name
+    folder = cache_dir / "random-models" / f"{name}-bpe"
     if not (folder / "config.json").exists():
         torch.manual_seed(0)
-        config = GPT2Config(**RANDOM_CONFIGS[name])
+        config = GPT2Config(**RANDOM_CONFIGS[name])  # vocab 50257: the tokenizer's 49152 ids, padded by the converter
         logger.info("building %s with random weights (%d layers, hidden %d) in %s", name, config.n_layer, config.n_embd, folder)
-        GPT2LMHeadModel(config).save_pretrained(folder)
-        tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0}, unk_token="<|endoftext|>"))
-        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
+        tmp = folder.with_name(folder.name + ".tmp")
+        GPT2LMHeadModel(config).save_pretrained(tmp)
+        load_tokenizer("embedded").save_pretrained(tmp)
+        tmp.rename(folder)
     return str(folder)
+
+
+def resolve_target(target: str) -> str:
+    """A model id or folder, with ``random:NAME`` built (once) by :func:`random_model`."""
+    from specdec.settings import default_cache_dir
+
+    if target.startswith("random:"):
+        return random_model(target.removeprefix("random:"), default_cache_dir())
+    return target
 
 
 def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
@@ -97,9 +109,7 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
     from specdec.settings import default_cache_dir
     from target_service.engine import TargetEngine
 
-    target = args.target
-    if target.startswith("random:"):
-        target = random_model(target.removeprefix("random:"), default_cache_dir())
+    target = resolve_target(args.target)
     loaded = load_hf(target, "float32", "cpu", default_cache_dir())
     # the row-major weights stay only when other kernels are compared (the service frees them)
     fast_linears(loaded.model, keep_row_major=any(k in ("onednn", "mkl") for k in args.kernels))
@@ -142,10 +152,11 @@ def draft_costs(args: argparse.Namespace) -> dict[int, float]:
     if args.draft == "none":
         return {}
     from draft_service.backends.llamacpp import LlamaCppProposer
-    from specdec.models import resolve_gguf
+    from specdec.gguf_convert import draft_gguf
 
     # one thread: what a draft step costs while the target computes on the same cores (under load)
-    proposer = LlamaCppProposer(str(resolve_gguf(args.draft)), max(args.batches) * 2, 1 << 30, 0, 64, threads=1)
+    gguf = draft_gguf(args.draft, resolve_target(args.target))
+    proposer = LlamaCppProposer(str(gguf), max(args.batches) * 2, 1 << 30, 0, 64, threads=1)
     rng = random.Random(1)
     out = {}
     for b in args.batches:

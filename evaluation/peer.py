@@ -28,8 +28,6 @@ times of the target. ``results.json`` and ``report.md`` land in ``--out``
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -63,8 +61,6 @@ PAIRS = (("sd-autoregressive", "llama-plain"), ("sd-speculative", "llama-spec"))
 OWN_SPEEDUPS = (("llama-spec", "llama-plain"), ("sd-speculative", "sd-autoregressive"))
 REFERENCES = ("llama-plain", "sd-autoregressive")
 BUILD_SCRIPT = ROOT / "scripts" / "build_llama_server.sh"
-# llama.cpp's converter imports it for every Llama-family vocabulary, BPE ones included
-SENTENCEPIECE = "sentencepiece==0.2.3"
 WARMUP_TOKENS = 8
 
 
@@ -262,73 +258,12 @@ def build_llama(python: str = sys.executable) -> Path:
 
 def check_llama_dir(folder: Path) -> dict[str, Any]:
     """The build-info.json of a folder made by the build script, after checking it holds everything."""
-    need = [folder / "bin" / "llama-server", folder / "bin" / "llama-bench", folder / "convert_hf_to_gguf.py",
-            folder / "gguf-py", folder / "conversion", folder / "build-info.json"]
+    need = [folder / "bin" / "llama-server", folder / "bin" / "llama-bench", folder / "build-info.json"]
     missing = [str(p) for p in need if not p.exists()]
     if missing:
         raise PeerError(f"{folder} is not a llama-server build (missing {', '.join(missing)}); "
                         "run scripts/build_llama_server.sh or drop --llama-dir")
     return json.loads((folder / "build-info.json").read_text())
-
-
-def ensure_sentencepiece() -> None:
-    if importlib.util.find_spec("sentencepiece") is not None:
-        return
-    logger.info("installing %s into %s: llama.cpp's converter imports it", SENTENCEPIECE, sys.prefix)
-    try:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", SENTENCEPIECE], check=True, timeout=600)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-        raise PeerError(f"could not install {SENTENCEPIECE} ({exc}); install it yourself: "
-                        f"{sys.executable} -m pip install {SENTENCEPIECE}") from exc
-    importlib.invalidate_caches()
-
-
-def folder_digest(folder: Path) -> str:
-    """sha256 over the names and contents of every file in ``folder`` (first 16 hex digits)."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        h.update(str(path.relative_to(folder)).encode() + b"\0")
-        with path.open("rb") as f:
-            h.update(hashlib.file_digest(f, "sha256").digest())
-    return h.hexdigest()[:16]
-
-
-def gguf_cache_path(cache_dir: Path, source: Path, source_digest: str, converter: Path) -> Path:
-    """Where the F32 GGUF of ``source`` lives: keyed by the source's files and by the converter
-    (its build folder names the llama.cpp version)."""
-    return cache_dir / "gguf" / f"{source.name}-{source_digest}-{converter.name}-f32.gguf"
-
-
-def converter_env(llama_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of the converter: the gguf-py vendored next to it first on the path (the
-    PyPI gguf may be another version than the converter was written against)."""
-    env = dict(os.environ if base is None else base)
-    env.pop("NO_LOCAL_GGUF", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(llama_dir / "gguf-py"), *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
-def convert_target(llama_dir: Path, source: Path, cache_dir: Path, log_dir: Path) -> Path:
-    """The target as GGUF F32 by llama.cpp's own converter, cached."""
-    digest = folder_digest(source)
-    out = gguf_cache_path(cache_dir, source, digest, llama_dir)
-    if out.is_file():
-        logger.info("target GGUF: %s (cached)", out)
-        return out
-    ensure_sentencepiece()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    logger.info("converting %s to GGUF F32 with llama.cpp's convert_hf_to_gguf.py (about a minute)", source)
-    t0 = time.perf_counter()
-    try:
-        run_step([sys.executable, str(llama_dir / "convert_hf_to_gguf.py"), str(source), "--outtype", "f32",
-                  "--outfile", str(tmp)], "converting the target to GGUF", log_dir / "convert.log",
-                 converter_env(llama_dir), timeout_s=1800)
-        tmp.rename(out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    logger.info("converted in %.0f s: %s", time.perf_counter() - t0, out)
-    return out
 
 
 def llama_version(binary: Path) -> str:
@@ -693,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, out: Path, command: str) -> int:
     from evaluation.hf import encode
-    from specdec.errors import NotFound
+    from specdec.errors import NotFound, SpecdecError
+    from specdec.gguf_convert import ensure_gguf
     from specdec.models import default_cache_dir, embedded_gguf_path, load_tokenizer, resolve_hf
 
     started = datetime.now().isoformat(timespec="seconds")
@@ -712,7 +648,12 @@ def run(args: argparse.Namespace, out: Path, command: str) -> int:
         draft_gguf = embedded_gguf_path()
     except NotFound as exc:
         raise PeerError(f"{exc} (run 'make setup')") from exc
-    target_gguf = convert_target(llama_dir, source, default_cache_dir(), log_dir)
+    # F32: the same numbers as specdec's fp32 target (llama.cpp's converter, the version the draft runs)
+    logger.info("the target as GGUF F32 (converted once, cached)")
+    try:
+        target_gguf = ensure_gguf(str(source), "f32", default_cache_dir())
+    except SpecdecError as exc:
+        raise PeerError(str(exc)) from exc
 
     tokenizer = load_tokenizer("embedded")
     prompt_ids = {p.id: encode(tokenizer, p) for p in prompts}

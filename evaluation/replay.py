@@ -108,7 +108,8 @@ def collect(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[int, f
     from draft_service.backends.llamacpp import LlamaCppProposer
     from evaluation.hf import encode
     from evaluation.prompts import load_suite, select
-    from specdec.models import load_hf, resolve_gguf
+    from specdec.gguf_convert import draft_gguf
+    from specdec.models import load_hf
     from specdec.sessions import SessionStore
     from specdec.settings import default_cache_dir
     from target_service.engine import TargetEngine
@@ -116,7 +117,7 @@ def collect(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[int, f
     k_max = max(args.ks)
     loaded = load_hf(args.target, "float32", "cpu", default_cache_dir())
     engine = TargetEngine(loaded, SessionStore(16, 4 << 30, 0), max_draft_tokens=max(32, k_max))
-    proposer = LlamaCppProposer(str(resolve_gguf(args.draft)), 4, 1 << 30, 0, max(32, k_max))
+    proposer = LlamaCppProposer(str(draft_gguf(args.draft, args.target)), 4, 1 << 30, 0, max(32, k_max))
     data, draft_ms = [], []
     prompts = select(load_suite(), args.prompts)
     for n, prompt in enumerate(prompts, 1):

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Build and install llama-cpp-python for this CPU into the given Python (default .venv/bin/python).
+# Build and install llama-cpp-python for this CPU into the given Python (default .venv/bin/python),
+# and keep llama.cpp's model converter from the same source (convert_hf_to_gguf.py, conversion/,
+# gguf-py/) under <prefix>/share/specdec/llama.cpp: specdec.gguf_convert runs it to make a GGUF
+# draft from any Hugging Face model.
 #
 # The default build (GGML_NATIVE) segfaults on its first eval on these machines: its AMX code
 # paths are the culprit. We disable native detection and AMX, and enable AVX-512 only where the
@@ -19,6 +22,38 @@ else
 fi
 
 key=$(printf '%s %s' "$VERSION" "$flags" | sha256sum | cut -c1-16)
+root=${XDG_CACHE_HOME:-$HOME/.cache}/specdec/wheels
+
+# The sdist, once: the wheel is built from it and the converter comes out of it.
+sdist=$root/llama_cpp_python-$VERSION.tar.gz
+fetch_sdist() {
+  if [ ! -f "$sdist" ]; then
+    mkdir -p "$root"
+    echo "fetching the llama-cpp-python $VERSION sdist"
+    tmp=$(mktemp -d "$root/sdist.XXXXXX")
+    "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$tmp"
+    mv "$tmp/llama_cpp_python-$VERSION.tar.gz" "$sdist"
+    rm -rf "$tmp"
+  fi
+}
+
+install_converter() {
+  local converter
+  converter=$("$PY" -c 'import sys; print(sys.prefix)')/share/specdec/llama.cpp
+  if [ -f "$converter/VERSION" ] && [ "$(cat "$converter/VERSION")" = "llama-cpp-python-$VERSION" ]; then
+    return
+  fi
+  fetch_sdist
+  tmp=$(mktemp -d)
+  src=llama_cpp_python-$VERSION/vendor/llama.cpp
+  tar xzf "$sdist" -C "$tmp" "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$src/LICENSE"
+  rm -rf "$converter" && mkdir -p "$(dirname "$converter")"
+  mv "$tmp/$src" "$converter"
+  rm -rf "$tmp" "$converter/gguf-py/tests" "$converter/gguf-py/examples"
+  echo "llama-cpp-python-$VERSION" > "$converter/VERSION"
+  echo "llama.cpp's converter kept in $converter"
+}
+
 if "$PY" - "$key" <<'PY' 2>/dev/null; then
 import sys, importlib.metadata as md, pathlib
 dist = md.distribution("llama-cpp-python")
@@ -26,14 +61,16 @@ stamp = pathlib.Path(dist.locate_file("llama_cpp")) / ".specdec-build"
 sys.exit(0 if stamp.is_file() and stamp.read_text().strip() == sys.argv[1] else 1)
 PY
   echo "llama-cpp-python $VERSION already built with these flags"
+  install_converter
   exit 0
 fi
 
-cache=${XDG_CACHE_HOME:-$HOME/.cache}/specdec/wheels/llama-cpp-python-$key
+cache=$root/llama-cpp-python-$key
 if ! ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   echo "building llama-cpp-python $VERSION with: $flags (a few minutes)"
+  fetch_sdist
   mkdir -p "$cache.tmp"
-  CMAKE_ARGS="$flags" "$PY" -m pip wheel --no-cache-dir --no-deps -w "$cache.tmp" "llama-cpp-python==$VERSION"
+  CMAKE_ARGS="$flags" "$PY" -m pip wheel --no-cache-dir --no-deps -w "$cache.tmp" "$sdist"
   rm -rf "$cache" && mv "$cache.tmp" "$cache"
 fi
 "$PY" -m pip install --no-deps --force-reinstall "$cache"/llama_cpp_python-*.whl
@@ -42,3 +79,4 @@ import sys, importlib.metadata as md, pathlib
 stamp = pathlib.Path(md.distribution("llama-cpp-python").locate_file("llama_cpp")) / ".specdec-build"
 stamp.write_text(sys.argv[1] + "\n")
 PY
+install_converter

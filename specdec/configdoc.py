@@ -45,7 +45,8 @@ PROCESSES: tuple[Process, ...] = (
 # Read outside the settings classes (by the libraries, the cache default or the build script).
 OTHER_VARIABLES: tuple[tuple[str, str], ...] = (
     ("SPECDEC_CACHE_DIR", "Default `cache_dir` of both model services: where the embedded model is converted "
-                          "to safetensors (`python -m specdec.prepare`). Unset: `$XDG_CACHE_HOME/specdec`, "
+                          "to safetensors (`python -m specdec.prepare`) and models are converted to GGUF for llama.cpp "
+                          "(`gguf/`). Unset: `$XDG_CACHE_HOME/specdec`, "
                           "else `~/.cache/specdec`."),
     ("HF_HOME", "Hugging Face cache of downloaded models and tokenizers (default `~/.cache/huggingface`)."),
     ("HF_HUB_OFFLINE", "`1` loads hub ids from `HF_HOME` only, never from the network."),
@@ -53,6 +54,9 @@ OTHER_VARIABLES: tuple[tuple[str, str], ...] = (
                                         "service over TLS, trusting this PEM CA. With `…_TLS_CERT_FILE` and "
                                         "`…_TLS_KEY_FILE` for mutual TLS, `…_TLS_SERVER_NAME` for the name in the "
                                         "service's certificate (docs/security.md)."),
+    ("SPECDEC_LLAMACPP_CONVERTER", "Folder of llama.cpp's `convert_hf_to_gguf.py` (with `conversion/` and `gguf-py/`) "
+                                   "that `specdec.gguf_convert` runs; default `<venv>/share/specdec/llama.cpp`, "
+                                   "where `scripts/install_llamacpp.sh` keeps the one of the llama.cpp it builds."),
     ("SPECDEC_LLAMACPP_AVX512", "`off` builds llama-cpp-python without AVX-512 in `scripts/install_llamacpp.sh` "
                                 "(portable AVX2 build); default `auto` uses it where the CPU has it."),
 )

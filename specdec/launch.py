@@ -4,7 +4,8 @@ Starts the draft service, the target service, the orchestrator and the dashboard
 (a Foreman-style process manager: prefixed output, and one process exiting stops them all),
 waits until the orchestrator reports ready, prints where to go, and stops everything on Ctrl-C.
 Every process is started with the same ``python -m <package>`` command the containers use.
-Configuration passes through the environment (SPECDEC_* variables, see docs/configuration.md).
+Configuration passes through the environment (SPECDEC_* variables, see docs/configuration.md);
+``SPECDEC_PAIR=gpt2`` picks the GPT-2 / DistilGPT-2 pair, as in compose.yaml.
 """
 
 from __future__ import annotations
@@ -24,6 +25,25 @@ PROCESSES: dict[str, str] = {
     "orchestrator": "orchestrator",
     "ui": "ui",
 }
+
+
+# SPECDEC_PAIR=<name>: each pair's model settings, as compose.yaml's pair-<name> entries (a test
+# keeps the two equal); a variable set in the environment wins over its pair's value.
+PAIRS: dict[str, dict[str, str]] = {
+    "embedded": {"SPECDEC_TARGET_MODEL": "embedded", "SPECDEC_DRAFT_MODEL": "embedded",
+                 "SPECDEC_DRAFT_BACKEND": "llamacpp"},
+    # DistilGPT-2 converted to GGUF for llama.cpp on the draft's first start (specdec.gguf_convert)
+    "gpt2": {"SPECDEC_TARGET_MODEL": "gpt2", "SPECDEC_DRAFT_MODEL": "distilgpt2",
+             "SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_QUANT": "q4_0"},
+}
+
+
+def pair_environment(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the settings of the pair SPECDEC_PAIR names (default ``embedded``) filled in."""
+    name = env.get("SPECDEC_PAIR") or "embedded"
+    if name not in PAIRS:
+        raise SystemExit(f"error: unknown SPECDEC_PAIR {name!r}; choose one of {', '.join(PAIRS)}")
+    return {**PAIRS[name], **env}
 
 
 def commands(python: str = "python") -> dict[str, list[str]]:
@@ -54,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     args = parser.parse_args(argv)
 
-    env = dict(os.environ)
+    env = pair_environment(dict(os.environ))
     env.setdefault("PYTHONUNBUFFERED", "1")
     manager = Manager()
     cmds = commands(sys.executable)

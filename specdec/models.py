@@ -50,16 +50,6 @@ def embedded_gguf_path() -> Path:
     raise NotFound(f"no .gguf file inside the installed {EMBEDDED_PACKAGE} package")
 
 
-def resolve_gguf(model: str) -> Path:
-    """A GGUF file for the llama.cpp backend: ``embedded`` or a path to a .gguf file."""
-    if model == EMBEDDED:
-        return embedded_gguf_path()
-    path = Path(model).expanduser()
-    if path.is_file():
-        return path
-    raise NotFound(f"GGUF model file not found: {model!r} (give a path to a .gguf file or 'embedded')")
-
-
 def _embedded_cache_path(cache_dir: Path) -> Path:
     """Where the converted embedded checkpoint lives (keyed by the GGUF file it came from)."""
     gguf = embedded_gguf_path()

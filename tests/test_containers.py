@@ -141,13 +141,17 @@ def test_one_variable_switches_to_gpt2_and_distilgpt2() -> None:
     config = resolved(COMPOSE, SPECDEC_PAIR="gpt2")
     draft, target = config["services"]["draft"], config["services"]["target"]
     assert draft["environment"]["SPECDEC_DRAFT_MODEL"] == "distilgpt2"
-    assert draft["environment"]["SPECDEC_DRAFT_BACKEND"] == "transformers"
+    # DistilGPT-2 converted for llama.cpp on the draft's first start, kept in a volume of its own
+    assert draft["environment"]["SPECDEC_DRAFT_BACKEND"] == "llamacpp"
+    assert draft["environment"]["SPECDEC_DRAFT_QUANT"] == "q4_0"
     assert target["environment"]["SPECDEC_TARGET_MODEL"] == "gpt2"
     # They download from the hub on first start, into the shared volume.
     for service in (draft, target):
         assert "hub" in service["networks"] and "models" in service["networks"]
         assert service["environment"]["HF_HUB_OFFLINE"] == "0"
-        assert [v["source"] for v in service["volumes"]] == ["hf-cache"]
+    assert [v["source"] for v in target["volumes"]] == ["hf-cache"]
+    assert {v["source"]: v["target"] for v in draft["volumes"]} == {
+        "hf-cache": "/home/specdec/.cache/huggingface", "gguf-cache": "/opt/specdec/cache/gguf"}
     assert not config["networks"]["hub"].get("internal", False)
     assert config["services"]["draft"]["command"] == ["python", "-m", "draft_service"]
 
@@ -189,6 +193,18 @@ def test_services_are_the_four_processes_and_the_pair_entries(services: dict) ->
     for name in MODEL_SERVICES:
         assert services[name]["extends"]["service"] == "pair-${SPECDEC_PAIR:-embedded}"
         assert services[name]["scale"] == 1
+
+
+def test_launcher_pairs_are_composes(services: dict) -> None:
+    """`SPECDEC_PAIR=gpt2 make run` and `SPECDEC_PAIR=gpt2 docker compose up` run the same models."""
+    for name, settings in launch.PAIRS.items():
+        pair = services[f"pair-{name}"]["environment"]
+        assert settings == {k: default_of(v) for k, v in pair.items() if k != "HF_HUB_OFFLINE"}
+    env = launch.pair_environment({"SPECDEC_PAIR": "gpt2", "SPECDEC_DRAFT_QUANT": "q8_0"})
+    assert env["SPECDEC_DRAFT_MODEL"] == "distilgpt2" and env["SPECDEC_DRAFT_QUANT"] == "q8_0"  # the user's wins
+    assert launch.pair_environment({})["SPECDEC_DRAFT_MODEL"] == "embedded"
+    with pytest.raises(SystemExit, match="unknown SPECDEC_PAIR 'gtp2'"):
+        launch.pair_environment({"SPECDEC_PAIR": "gtp2"})
 
 
 def test_commands_are_the_launchers(services: dict) -> None:
@@ -255,7 +271,7 @@ def test_pairs_set_the_model_variables(services: dict) -> None:
     assert defaults("pair-embedded") == {"SPECDEC_TARGET_MODEL": "embedded", "SPECDEC_DRAFT_MODEL": "embedded",
                                          "SPECDEC_DRAFT_BACKEND": "llamacpp"}
     assert defaults("pair-gpt2") == {"SPECDEC_TARGET_MODEL": "gpt2", "SPECDEC_DRAFT_MODEL": "distilgpt2",
-                                     "SPECDEC_DRAFT_BACKEND": "transformers"}
+                                     "SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_QUANT": "q4_0"}
     for pair in ("pair-embedded", "pair-gpt2"):  # each may be overridden by the variable of its own name
         for key, value in services[pair]["environment"].items():
             if key != "HF_HUB_OFFLINE":

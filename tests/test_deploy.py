@@ -500,7 +500,8 @@ def test_gpt2_pair_mirrors_compose(rendered):
         match = re.fullmatch(r"\$\{\w+:-([^}]*)\}", str(value))
         return match.group(1) if match else str(value)
 
-    assert models(docs) == ("gpt2", "distilgpt2", "transformers")
+    assert models(docs) == ("gpt2", "distilgpt2", "llamacpp")
+    assert environment(docs, "draft")["SPECDEC_DRAFT_QUANT"] == default(pair["SPECDEC_DRAFT_QUANT"])
     assert models(docs) == tuple(default(pair[v]) for v in
                                  ("SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL", "SPECDEC_DRAFT_BACKEND"))
     for name in MODEL_SERVICES:

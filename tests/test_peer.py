@@ -18,10 +18,7 @@ from evaluation.peer import (
     LABELS,
     PeerError,
     completion_body,
-    converter_env,
     find_mismatches,
-    folder_digest,
-    gguf_cache_path,
     headline_table,
     llama_bench_command,
     llama_server_command,
@@ -150,26 +147,6 @@ def test_make_target():
 
 
 # ---- preparation helpers ---------------------------------------------------------------------------------
-
-
-def test_converter_env_puts_the_vendored_gguf_first(tmp_path):
-    env = converter_env(tmp_path, {"PYTHONPATH": "/elsewhere", "NO_LOCAL_GGUF": "1", "HOME": "/h"})
-    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "gguf-py"), "/elsewhere"]
-    assert "NO_LOCAL_GGUF" not in env and env["HOME"] == "/h"
-    assert converter_env(tmp_path, {})["PYTHONPATH"] == str(tmp_path / "gguf-py")
-
-
-def test_gguf_cache_key_follows_the_files(tmp_path):
-    src = tmp_path / "model"
-    (src / "sub").mkdir(parents=True)
-    (src / "config.json").write_text("{}")
-    (src / "sub" / "w").write_bytes(b"1")
-    first = folder_digest(src)
-    assert folder_digest(src) == first
-    (src / "sub" / "w").write_bytes(b"2")
-    assert folder_digest(src) != first
-    path = gguf_cache_path(tmp_path / "cache", src, first, Path("/c/llama-server-abc"))
-    assert path.parent == tmp_path / "cache" / "gguf" and path.name == f"model-{first}-llama-server-abc-f32.gguf"
 
 
 def test_failed_step_names_itself_with_its_log(tmp_path):

@@ -32,7 +32,8 @@ from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessi
 from specdec import sampling as sm
 from specdec.engine import ModelInfo
 from specdec.errors import ResourceExhausted
-from specdec.models import gguf_tokenizer_fingerprint, resolve_gguf
+from specdec.gguf_convert import draft_gguf
+from specdec.models import gguf_tokenizer_fingerprint
 from specdec.runtime import cpu_cores
 from specdec.scheduler import StepResult
 from specdec.sessions import Session, SessionStore, common_prefix_len
@@ -127,7 +128,8 @@ class LlamaCppProposer(Proposer):
 
     @classmethod
     def from_settings(cls, settings) -> LlamaCppProposer:
-        return cls(str(resolve_gguf(settings.model)), settings.max_sessions, settings.kv_budget_bytes,
+        path = draft_gguf(settings.model, settings.target_model, settings.quant, settings.cache_dir)
+        return cls(str(path), settings.max_sessions, settings.kv_budget_bytes,
                    settings.session_ttl_s, settings.max_draft_tokens, settings.threads,
                    overlap_threads=settings.overlap_threads, lookup_ngram=settings.lookup_ngram,
                    lookup_max_tokens=settings.lookup_max_tokens)

@@ -1,0 +1,42 @@
+"""evaluation.pairprice: draft specs and the projection from the orchestrator's cost model (no models)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from evaluation.pairprice import DraftSpec, parse_args, parse_draft, projected_speedup
+
+
+def test_draft_specs():
+    assert parse_draft("random:distilgpt2@llamacpp:q8_0") == DraftSpec("random:distilgpt2@llamacpp:q8_0",
+                                                                       "random:distilgpt2", "llamacpp", "q8_0")
+    assert parse_draft("target@llamacpp").quant == "q4_0"  # the service's default
+    assert parse_draft("distilgpt2@transformers") == DraftSpec("distilgpt2@transformers", "distilgpt2", "transformers")
+    for bad, why in (("distilgpt2", "MODEL@BACKEND"), ("x@onnx", "backend"), ("x@transformers:q4_0", "no quantisation"),
+                     ("x@llamacpp:q3_x", "unknown quantisation")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse_draft(bad)
+    with pytest.raises(SystemExit):
+        parse_args(["--acceptances", "0.5,1.0"])
+
+
+def test_projection_follows_the_costs():
+    # a flat verify (10 ms at any row count): speculation pays when drafts are cheap
+    flat = {q: 10.0 for q in range(1, 10)}
+    def by_hand(draft_ms: float, a: float) -> tuple[float, int]:
+        rates = {k: sum(a ** j for j in range(k + 1)) / (10.0 + k * draft_ms) * 10.0 for k in range(9)}
+        best = max(rates, key=rates.get)
+        return rates[best], best
+
+    speedup, k = projected_speedup(flat, 1.0, 0.9, 8)
+    assert (round(speedup, 6), k) == tuple(round(x, 6) for x in by_hand(1.0, 0.9)) and k > 0
+    free, _ = projected_speedup(flat, 0.2, 0.8, 8)
+    cheap, _ = projected_speedup(flat, 1.0, 0.8, 8)
+    dear, _ = projected_speedup(flat, 6.0, 0.8, 8)
+    assert free > cheap > dear >= 1.0
+    # a draft as dear as the target: plain decoding (k = 0) wins
+    assert projected_speedup(flat, 10.0, 0.6, 8) == (1.0, 0)
+    # higher acceptance, longer drafts
+    assert projected_speedup(flat, 1.0, 0.95, 8)[1] >= projected_speedup(flat, 1.0, 0.6, 8)[1]
