@@ -14,6 +14,12 @@ Modes (``--modes`` takes names or shell patterns such as ``'sd-fixed-*'``):
   sd-overlap-fixed-k3 … k8, sd-overlap-cost   (d) overlapped: the draft drafts block i + 1 while the
                           target verifies block i (``overlap: true``)
   ngram-fixed-k4, ngram-cost      (e) a second draft service with the n-gram backend and its own orchestrator
+  NAME-fixed-k4, NAME-cost        (f) per ``--extra-draft NAME=SPEC``: one more llama.cpp draft service
+                          (SPEC: a SPECDEC_DRAFT_MODEL value, optionally @QUANT, e.g. ``self-q8_0=target@q8_0``)
+                          and its own orchestrator
+
+Every draft service and orchestrator shares the one target service. For each drafting mode the
+report adds acceptance by draft position and the draft's compute milliseconds per drafted token.
 
 Runs are interleaved: for every prompt and repeat all modes run back to back, in an order rotated
 per prompt, so slow drift of the machine hits every mode alike. Every mode decodes exactly
@@ -29,7 +35,9 @@ import logging
 import math
 import os
 import platform
+import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -38,6 +46,7 @@ from typing import Any
 from evaluation import report
 from evaluation.prompts import CATEGORIES, SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import summarise
+from specdec.gguf_convert import QUANTS
 
 logger = logging.getLogger("evaluation.bench")
 
@@ -50,11 +59,68 @@ class Mode:
     name: str
     kind: str  # "hf" (in this process) or "specdec" (through an orchestrator)
     how: str = ""  # hf: plain | assisted | prompt_lookup
-    stack: str = "main"  # specdec: "main" (the model draft) or "ngram" (the n-gram draft service)
+    stack: str = "main"  # specdec: "main" (the model draft), "ngram" (the n-gram draft service) or an extra draft's name
     body: dict[str, Any] = field(default_factory=dict)  # specdec: request fields of /v1/generate
 
 
-def all_modes() -> list[Mode]:
+# --extra-draft NAME: a slug, so it can name log files, a stack and mode prefixes
+EXTRA_NAME = re.compile(r"[a-z][a-z0-9_]*(?:-[a-z0-9_]+)*")
+# names of the built-in stacks, and first words of the built-in modes: an extra draft named so
+# would be swept up by their patterns ('sd-*') and the plots' grouping
+RESERVED_NAMES = ("main", "hf", "sd", "ngram")
+UNCONVERTED = ("embedded",)  # SPECDEC_DRAFT_MODEL values the draft runs as shipped (no quantisation)
+
+
+@dataclass(frozen=True)
+class ExtraDraft:
+    """``--extra-draft NAME=SPEC``: one more llama.cpp draft service (SPECDEC_DRAFT_MODEL=model, at
+    ``quant`` when given) with its own orchestrator over the shared target."""
+
+    name: str
+    model: str
+    quant: str | None = None  # None: the draft service's default
+
+    def env(self, target: str) -> dict[str, str]:
+        """The draft service's settings (``target`` for model=target: the model the target service runs)."""
+        env = {"SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_MODEL": self.model, "SPECDEC_DRAFT_TARGET_MODEL": target}
+        if self.quant:
+            env["SPECDEC_DRAFT_QUANT"] = self.quant
+        return env
+
+    def modes(self) -> list[Mode]:
+        # the bodies of sd-cost and sd-fixed-k4, so the drafts compare with the main one as well
+        return [Mode(f"{self.name}-fixed-k4", "specdec", stack=self.name,
+                     body={"controller": "fixed", "k": 4, "max_k": MAX_FIXED_K, "overlap": False}),
+                Mode(f"{self.name}-cost", "specdec", stack=self.name, body={"controller": "cost", "overlap": False})]
+
+
+def parse_extra_draft(value: str) -> ExtraDraft:
+    """``NAME=SPEC`` (SPEC: a SPECDEC_DRAFT_MODEL value, optionally ``@QUANT``) as an ExtraDraft;
+    argparse reports the ArgumentTypeError."""
+    name, sep, spec = value.partition("=")
+    if not sep or not spec:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=SPEC, e.g. self-q4_0=target@q4_0")
+    if not EXTRA_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: NAME {name!r} is not a simple slug (lowercase letters, digits, '_' and '-', starting with a letter)")
+    if name.split("-")[0] in RESERVED_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: NAME {name!r} clashes with the built-in stacks and modes ({', '.join(RESERVED_NAMES)})")
+    model, quant = spec, None
+    if "@" in spec:
+        model, _, quant = spec.rpartition("@")
+        quant = quant.lower()
+        if quant not in QUANTS:
+            raise argparse.ArgumentTypeError(f"{value!r}: unknown quantisation {quant!r} (one of {', '.join(QUANTS)})")
+        # the draft service runs these files as they are: a quantisation would be a silent no-op
+        if model in UNCONVERTED or model.lower().endswith(".gguf"):
+            raise argparse.ArgumentTypeError(f"{value!r}: {model!r} is not converted, so @{quant} would not apply")
+    if not model:
+        raise argparse.ArgumentTypeError(f"{value!r}: SPEC names no model")
+    return ExtraDraft(name, model, quant)
+
+
+def all_modes(extras: Sequence[ExtraDraft] = ()) -> list[Mode]:
     modes = [Mode("hf-plain", "hf", "plain"), Mode("hf-assisted", "hf", "assisted"),
              Mode("hf-prompt-lookup", "hf", "prompt_lookup"),
              Mode("sd-autoregressive", "specdec", body={"mode": "autoregressive"})]
@@ -68,15 +134,16 @@ def all_modes() -> list[Mode]:
     modes += [Mode("sd-overlap-cost", "specdec", body={"controller": "cost", "overlap": True})]
     modes += [Mode("ngram-fixed-k4", "specdec", stack="ngram", body={"controller": "fixed", "k": 4, "overlap": False}),
               Mode("ngram-cost", "specdec", stack="ngram", body={"controller": "cost", "overlap": False})]
+    modes += [m for e in extras for m in e.modes()]
     return modes
 
 
 ASSISTED_MODES = ("hf-assisted", "hf-prompt-lookup")
 
 
-def pick_modes(patterns: list[str] | None) -> list[Mode]:
+def pick_modes(patterns: list[str] | None, extras: Sequence[ExtraDraft] = ()) -> list[Mode]:
     """Modes matching any of ``patterns`` (names or shell patterns), in the canonical order."""
-    modes = all_modes()
+    modes = all_modes(extras)
     if not patterns:
         return modes
     chosen = [m for m in modes if any(fnmatch.fnmatchcase(m.name, p) for p in patterns)]
@@ -149,7 +216,8 @@ class Harness:
         if mode.kind == "hf":
             ids, ms = self.generator.generate(prompt_ids, n, mode.how)
             return {"tokens": len(ids), "elapsed_ms": ms, "token_ids": ids}
-        body: dict[str, Any] = {"max_tokens": n, "ignore_eos": True, "temperature": 0, **mode.body}
+        # the steps give k and the acceptance by draft position
+        body: dict[str, Any] = {"max_tokens": n, "ignore_eos": True, "temperature": 0, "include_steps": True, **mode.body}
         if self.threshold is not None and mode.body.get("mode") != "autoregressive":
             body["confidence_threshold"] = self.threshold
         if prompt.chat:
@@ -167,11 +235,74 @@ class Harness:
         return {
             "tokens": stats["tokens"], "elapsed_ms": stats["elapsed_ms"], "wall_ms": wall, "token_ids": out["token_ids"],
             "stats": stats, "mean_k": sum(ks) / len(ks) if ks else None, "k_sequence": ks,
+            "positions": position_counts(out["steps"]),
             "prompt_tokens_server": out["prompt_tokens"], "prompt_tokens_match": out["prompt_tokens"] == len(prompt_ids),
         }
 
     def close(self) -> None:
         self.http.close()
+
+
+# ---- acceptance by draft position ------------------------------------------------------------------
+
+POSITIONS_SHOWN = 8  # draft positions in the report's table (results.json keeps all)
+
+
+def position_counts(steps: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Per draft position i of one generation's steps: ``drafted[i]`` steps that drafted a token at
+    position i with every token before it accepted (the target judged token i), ``accepted[i]``
+    steps that had it accepted: their ratio is the chance a draft token is accepted once the ones
+    before it were, the rate the cost controller prices each position with."""
+    n = max((len(s["draft"]) for s in steps), default=0)
+    return {"drafted": [sum(1 for s in steps if len(s["draft"]) > i and s["accepted"] >= i) for i in range(n)],
+            "accepted": [sum(1 for s in steps if s["accepted"] > i) for i in range(n)]}
+
+
+def _add(lists: list[list[int]]) -> list[int]:
+    """Element-wise sum of lists of different lengths."""
+    n = max((len(x) for x in lists), default=0)
+    return [sum(x[i] for x in lists if i < len(x)) for i in range(n)]
+
+
+def draft_positions(runs: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per mode that drafted, over all its runs: acceptance at each draft position (accepted at i /
+    steps that reached i, see :func:`position_counts`; counts summed before dividing, as time_split does) and
+    the draft's server compute ms per drafted token."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in modes:
+        rs = [r for r in runs if r["mode"] == m and r.get("positions") and r.get("stats")]
+        drafted = _add([r["positions"]["drafted"] for r in rs])
+        if not drafted:
+            continue  # not a drafting mode, or one whose controller never drafted
+        accepted = _add([r["positions"]["accepted"] for r in rs])
+        tokens = sum(r["stats"]["draft_tokens"] for r in rs)
+        ms = sum(r["stats"]["draft_compute_ms"] for r in rs)
+        out[m] = {"acceptance": [a / d for a, d in zip(accepted, drafted, strict=True)], "drafted": drafted,
+                  "accepted": accepted, "draft_tokens": tokens, "draft_compute_ms": ms,
+                  "ms_per_draft_token": ms / tokens if tokens else None}
+    return out
+
+
+def render_positions(positions: dict[str, dict[str, Any]]) -> str:
+    """The acceptance-by-position table (mode × positions 0…7, ms per draft token); '' without drafts."""
+    if not positions:
+        return ""
+
+    def at(i: int) -> report.Cell:
+        return lambda p: report.fmt(report.pct(p["acceptance"][i]), 0, "%") if i < len(p["acceptance"]) else "–"
+
+    columns: list[tuple[str, report.Cell]] = [
+        ("mode", lambda p: p["mode"]), ("drafting steps", lambda p: report.fmt(p["drafted"][0])),
+        *[(str(i), at(i)) for i in range(POSITIONS_SHOWN)],
+        ("ms/draft token", lambda p: report.fmt(p["ms_per_draft_token"], 2)),
+    ]
+    rows = [{"mode": m, **p} for m, p in positions.items()]
+    return "\n".join([
+        "### Acceptance by draft position", "",
+        "Position i: draft tokens accepted at i / steps that drafted at least i + 1 tokens (all prompts "
+        "and repeats). ms/draft token: the draft's server compute / tokens it drafted.", "",
+        report.markdown_table(rows, columns), "",
+    ])
 
 
 # ---- the benchmark -------------------------------------------------------------------------------
@@ -183,6 +314,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", default="embedded", help="draft model of the main draft service (id, folder, .gguf or 'embedded')")
     p.add_argument("--draft-backend", default="llamacpp", choices=["llamacpp", "transformers", "ngram"],
                    help="backend of the main draft service (default llamacpp)")
+    p.add_argument("--extra-draft", action="append", type=parse_extra_draft, default=[], metavar="NAME=SPEC",
+                   help="one more llama.cpp draft service and orchestrator over the same target, with modes NAME-fixed-k4 "
+                        "and NAME-cost; SPEC: a SPECDEC_DRAFT_MODEL value ('target': the target itself), optionally "
+                        f"@QUANT ({', '.join(QUANTS)}), e.g. self-q8_0=target@q8_0; repeatable")
     p.add_argument("--hf-assistant", default=None,
                    help="assistant of hf-assisted: 'int8' (the target with dynamic int8 quantisation) or a model id/path; "
                         "default: --draft when the draft backend is transformers, else int8")
@@ -203,13 +338,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each mode")
     p.add_argument("--report-only", type=Path, metavar="DIR",
                    help="measure nothing: re-render results.md and the plots of DIR/results.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    names = [e.name for e in args.extra_draft]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        p.error(f"--extra-draft: {', '.join(twice)} given more than once")
+    if args.extra_draft and args.url:
+        p.error("--extra-draft starts its own services: it does not combine with --url")
+    return args
 
 
 def rerender(folder: Path) -> None:
     """Plots and results.md again from ``folder/results.json`` (after changing the renderers)."""
     results = json.loads((folder / "results.json").read_text())
     results["summary"] = summarise(results["runs"], results["modes"], assisted=ASSISTED_MODES)
+    results["draft_positions"] = draft_positions(results["runs"], results["modes"])
     plots = write_plots(results, folder)
     (folder / "results.md").write_text(render_markdown(results, plots))
 
@@ -223,12 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     out, command = report.start_run("evaluation.bench", argv, args.out, quiet=("httpx", "transformers", "matplotlib"))
 
     prompts = select(load_suite(), args.prompts, args.categories)
-    modes = pick_modes(args.modes)
+    modes = pick_modes(args.modes, args.extra_draft)
     if args.url and any(m.stack == "ngram" for m in modes) and not args.ngram_url:
         logger.warning("--url without --ngram-url: skipping the ngram-* modes")
         modes = [m for m in modes if m.stack != "ngram"]
     if args.draft_backend == "ngram":
         modes = [m for m in modes if m.stack != "ngram"]  # the main stack is the n-gram one already
+    for e in args.extra_draft:
+        if not any(m.stack == e.name for m in modes):
+            logger.warning("--extra-draft %s: --modes selects none of its modes; not starting it", e.name)
     if not modes or not prompts:
         raise SystemExit("nothing to run: no modes or no prompts selected")
     t_start = time.perf_counter()
@@ -274,12 +420,19 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("starting the services (logs in %s)", stack.log_dir)
             stack.log_dir.mkdir(parents=True, exist_ok=True)
             tport = stack.model_service("target", "target", {"SPECDEC_TARGET_MODEL": args.target, **threads})
+            # SPECDEC_DRAFT_TARGET_MODEL: for --draft target, the model the target service runs
             dport = stack.model_service("draft", "draft", {"SPECDEC_DRAFT_MODEL": args.draft,
-                                                           "SPECDEC_DRAFT_BACKEND": args.draft_backend, **draft_threads})
+                                                           "SPECDEC_DRAFT_BACKEND": args.draft_backend,
+                                                           "SPECDEC_DRAFT_TARGET_MODEL": args.target, **draft_threads})
             urls["main"] = stack.orchestrator("orchestrator", dport, tport)
             if any(m.stack == "ngram" for m in modes):
                 nport = stack.model_service("draft-ngram", "draft", {"SPECDEC_DRAFT_BACKEND": "ngram"})
                 urls["ngram"] = stack.orchestrator("orchestrator-ngram", nport, tport)
+            for e in args.extra_draft:
+                if any(m.stack == e.name for m in modes):
+                    # a first start converts the model (its log says how far); a failed one ends the bench
+                    eport = stack.model_service(f"draft-{e.name}", "draft", {**e.env(args.target), **draft_threads})
+                    urls[e.name] = stack.orchestrator(f"orchestrator-{e.name}", eport, tport)
         harness = Harness(generator, urls, args.max_tokens, args.confidence_threshold, args.api_key)
         info = {}
         for name, url in urls.items():
@@ -327,20 +480,24 @@ def main(argv: list[str] | None = None) -> int:
         stack.close()
 
     summary = summarise(runs, [m.name for m in modes], assisted=ASSISTED_MODES)
+    positions = draft_positions(runs, [m.name for m in modes])
     elapsed_s = time.perf_counter() - t_start
     results = {
         "started": started, "duration_s": round(elapsed_s, 1), "command": command, "args": _jsonable(vars(args)),
         "suite": {"version": SUITE_VERSION, "digest": suite_digest(), "prompts": [p.to_dict() for p in prompts]},
         "pair": {"target": args.target, "draft": args.draft, "draft_backend": args.draft_backend,
-                 "hf_assistant": assistant_desc, "services": info},
+                 "hf_assistant": assistant_desc, "services": info,
+                 "extra_drafts": [{"name": e.name, "model": e.model, "quant": e.quant} for e in args.extra_draft]},
         "machine": machine, "max_tokens": args.max_tokens, "repeats": args.repeats,
-        "modes": [m.name for m in modes], "summary": summary, "mismatches": mismatches, "runs": runs,
+        "modes": [m.name for m in modes], "summary": summary, "draft_positions": positions, "mismatches": mismatches,
+        "runs": runs,
     }
     (out / "results.json").write_text(json.dumps(_finite(results), indent=1, default=str))
     plots = write_plots(results, out)
     (out / "results.md").write_text(render_markdown(results, plots))
     logger.info("done in %.0f s: %s", elapsed_s, out)
     print(report.render_tables(summary))
+    print(render_positions(positions))
     return 0
 
 
@@ -368,13 +525,14 @@ def write_plots(results: dict[str, Any], out: Path) -> dict[str, str]:
     summary, runs = results["summary"], results["runs"]
     pair = f"{results['pair']['target']} / {results['pair']['draft']} ({results['pair']['draft_backend']})"
     plots: dict[str, str] = {}
-    drafting = [m for m in results["modes"] if m.startswith(("sd-", "ngram-")) and m != "sd-autoregressive"]
+    extra = tuple(f"{e['name']}-" for e in results["pair"].get("extra_drafts", []))
+    drafting = [m for m in results["modes"] if m.startswith(("sd-", "ngram-", *extra)) and m != "sd-autoregressive"]
     for name, path in (
         ("speedup_vs_k", report.plot_speedup_vs_k(summary, out / "speedup_vs_k.png", f"Speedup vs k — {pair}")),
         ("time_split", report.plot_time_split(summary, out / "time_split.png", f"Time per generated token — {pair}")),
         ("acceptance_by_category", report.plot_acceptance_by_category(
             runs, [m for m in drafting if m in ("sd-fixed-k1", "sd-fixed-k4", "sd-fixed-k8", "sd-acceptance", "sd-hf",
-                                                "sd-cost") or m.startswith("ngram-")],
+                                                "sd-cost") or m.startswith(("ngram-", *extra))],
             CATEGORIES, out / "acceptance_by_category.png", f"Acceptance by prompt category — {pair}")),
     ):
         if path is not None:
@@ -397,7 +555,15 @@ def render_markdown(results: dict[str, Any], plots: dict[str, str], img_prefix: 
         f"{m['threads']} threads in-process, services: {m.get('service_threads', m['threads'])} threads; "
         f"load average {_load(m.get('load_average_start'))} at the start, "
         f"{_load(m.get('load_average_end'))} at the end.",
-        "", report.render_tables(results["summary"]), "### Token equality against hf-plain", "",
+    ]
+    extras = results["pair"].get("extra_drafts")
+    if extras:
+        lines += ["", "Extra drafts (llama.cpp, each with its own orchestrator over the same target): " + ", ".join(
+            f"`{e['name']}` = `{e['model']}` at {e['quant'] or 'the service default quantisation'}" for e in extras) + "."]
+    positions = render_positions(results.get("draft_positions", {}))
+    lines += [
+        "", report.render_tables(results["summary"]), *([positions] if positions else []),
+        "### Token equality against hf-plain", "",
         report.render_mismatches(results["mismatches"]), "",
     ]
     for name, file in plots.items():

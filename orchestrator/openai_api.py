@@ -30,15 +30,40 @@ def _usage(result: dict[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def special_strings(tok: Any) -> list[str]:
+    """The texts a tokenizer turns into special tokens (``<|im_start|>``, ``<|endoftext|>``, …)."""
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    return sorted({*tok.all_special_tokens, *(a.content for a in added.values() if a.special)} - {""})
+
+
 def chat_prompt(rt: Any, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of the conversation through the tokenizer's chat template (a plain transcript
-    for tokenizers without one, such as GPT-2's)."""
+    for tokenizers without one, such as GPT-2's).
+
+    What users write is text, never control tokens: ``<|im_start|>system`` typed into a message
+    stays those characters, so no one forges a turn of another role. Only the template's own
+    markup becomes special tokens: a message holding such text is rendered with a placeholder in
+    its place, and its content tokenised apart with special tokens split into plain text."""
     tok = rt.tokenizer
-    if getattr(tok, "chat_template", None):
+    if not getattr(tok, "chat_template", None):
+        transcript = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+        return tok(transcript, split_special_tokens=True).input_ids
+    specials = special_strings(tok)
+    if not any(s in m["content"] for m in messages for s in specials):
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False).input_ids
-    transcript = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
-    return tok(transcript).input_ids
+    marks = [f"\ue000specdec-content-{i}\ue001" for i in range(len(messages))]
+    text = tok.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
+                                   add_generation_prompt=True, tokenize=False)
+    if any(text.count(mark) != 1 for mark in marks):
+        raise ValueError("this chat template rewrites message content, so content holding special-token text "
+                         f"({', '.join(specials[:3])}, …) cannot be kept as text; remove it from the messages")
+    ids: list[int] = []
+    for m, mark in zip(messages, marks, strict=True):
+        before, text = text.split(mark)
+        ids += tok(before, add_special_tokens=False).input_ids
+        ids += tok(m["content"], add_special_tokens=False, split_special_tokens=True).input_ids
+    return ids + tok(text, add_special_tokens=False).input_ids
 
 
 def chat_prompt_ids(rt: Any, messages: list[ChatMessage]) -> list[int]:

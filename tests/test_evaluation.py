@@ -3,13 +3,25 @@ rendering, mode selection, and the mismatch explanation on a tiny model. No timi
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
 import pytest
 
 from evaluation import report
-from evaluation.bench import all_modes, pick_modes, render_markdown, rotation
+from evaluation.bench import (
+    ExtraDraft,
+    all_modes,
+    draft_positions,
+    parse_args,
+    parse_extra_draft,
+    pick_modes,
+    position_counts,
+    render_markdown,
+    render_positions,
+    rotation,
+)
 from evaluation.prompts import CATEGORIES, Prompt, load_suite, select, suite_digest
 from evaluation.stats import (
     acceptance_by_category,
@@ -172,6 +184,68 @@ def test_modes_cover_every_measurement_and_patterns_select():
         pick_modes(["nope"])
 
 
+def test_extra_draft_specs_parse_into_name_model_and_quant():
+    assert parse_extra_draft("self-q4_0=target@q4_0") == ExtraDraft("self-q4_0", "target", "q4_0")
+    assert parse_extra_draft("self=target") == ExtraDraft("self", "target", None)
+    assert parse_extra_draft("big=HuggingFaceTB/SmolLM2-360M@Q8_0") == ExtraDraft("big", "HuggingFaceTB/SmolLM2-360M", "q8_0")
+    assert parse_extra_draft("shipped=embedded").model == "embedded"
+    assert parse_extra_draft("self-q8_0=target@q8_0").env("gpt2") == {
+        "SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_MODEL": "target", "SPECDEC_DRAFT_TARGET_MODEL": "gpt2",
+        "SPECDEC_DRAFT_QUANT": "q8_0"}
+    assert "SPECDEC_DRAFT_QUANT" not in parse_extra_draft("self=target").env("embedded")
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("self", "expected NAME=SPEC"),
+    ("self=", "expected NAME=SPEC"),
+    ("=target", "not a simple slug"),
+    ("Self=target", "not a simple slug"),
+    ("self q4=target", "not a simple slug"),
+    ("self-=target", "not a simple slug"),
+    ("sd=target", "clashes"),
+    ("sd-q4=target", "clashes"),
+    ("ngram=target", "clashes"),
+    ("main=target", "clashes"),
+    ("self=target@q3_k", "unknown quantisation 'q3_k'"),
+    ("self=@q8_0", "names no model"),
+    ("self=embedded@q8_0", "not converted"),
+    ("self=/models/d.gguf@q8_0", "not converted"),
+])
+def test_bad_extra_draft_specs_are_refused(value, why):
+    with pytest.raises(argparse.ArgumentTypeError, match=why):
+        parse_extra_draft(value)
+
+
+def test_extra_draft_option_repeats_and_refuses_duplicates(capsys):
+    args = parse_args(["--extra-draft", "a=target@q4_0", "--extra-draft", "b=target@q8_0"])
+    assert [e.name for e in args.extra_draft] == ["a", "b"]
+    assert parse_args([]).extra_draft == []
+    for argv, why in ((["--extra-draft", "a=target", "--extra-draft", "a=target@q8_0"], "a given more than once"),
+                      (["--extra-draft", "sd=target"], "argument --extra-draft: 'sd=target'"),
+                      (["--extra-draft", "a=target", "--url", "http://x"], "does not combine with --url")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert why in capsys.readouterr().err
+
+
+def test_extra_drafts_add_their_own_stacks_and_modes():
+    extras = [parse_extra_draft("self-q4_0=target@q4_0"), parse_extra_draft("self-q8_0=target@q8_0")]
+    modes = all_modes(extras)
+    names = [m.name for m in modes]
+    assert names[:len(all_modes())] == [m.name for m in all_modes()]  # the built-in modes come first, unchanged
+    assert names[len(all_modes()):] == ["self-q4_0-fixed-k4", "self-q4_0-cost", "self-q8_0-fixed-k4", "self-q8_0-cost"]
+    assert len(set(names)) == len(names)
+    by_name = {m.name: m for m in modes}
+    # the bodies of the main draft's modes, sent to the extra draft's own orchestrator
+    assert by_name["self-q8_0-cost"].body == by_name["sd-cost"].body
+    assert by_name["self-q8_0-fixed-k4"].body == by_name["sd-fixed-k4"].body
+    assert {by_name["self-q8_0-cost"].stack, by_name["self-q4_0-fixed-k4"].stack} == {"self-q8_0", "self-q4_0"}
+    chosen = pick_modes(["sd-cost", "self-q8_0-*"], extras)
+    assert [m.name for m in chosen] == ["sd-cost", "self-q8_0-fixed-k4", "self-q8_0-cost"]
+    with pytest.raises(SystemExit, match="match no mode"):
+        pick_modes(["self-q8_0-*"])  # without the option its modes do not exist
+
+
 def test_rotation_puts_every_mode_first_once():
     modes = ["a", "b", "c"]
     firsts = [rotation(modes, i)[0] for i in range(3)]
@@ -213,6 +287,54 @@ def test_rendered_report_has_both_tables_and_mismatches():
     assert "2.00×" in md and "100%" in md
     assert "| sd-fixed-k4 | p1 | 7 |" in md
     assert "![speedup_vs_k](img/speedup_vs_k.png)" in md
+    assert "Acceptance by draft position" not in md and "Extra drafts" not in md  # results.json of older runs
+
+    results["pair"]["extra_drafts"] = [{"name": "self-q8_0", "model": "target", "quant": "q8_0"},
+                                       {"name": "self", "model": "target", "quant": None}]
+    results["draft_positions"] = {"sd-fixed-k4": {"drafted": [25, 25], "accepted": [20, 15], "acceptance": [0.8, 0.6],
+                                                  "ms_per_draft_token": 2.5}}
+    md = render_markdown(results, {})
+    assert ("Extra drafts (llama.cpp, each with its own orchestrator over the same target): `self-q8_0` = `target` at "
+            "q8_0, `self` = `target` at the service default quantisation.") in md
+    assert "| sd-fixed-k4 | 25 | 80% | 60% | – | – | – | – | – | – | 2.50 |" in md
+    assert md.index("### Time per iteration") < md.index("### Acceptance by draft position") < md.index("### Token equality")
+
+
+# ---- acceptance by draft position ----------------------------------------------------------------------
+
+def _step(drafted, accepted):
+    return {"draft": list(range(drafted)), "accepted": accepted, "k": drafted, "draft_ms": 1.0, "verify_ms": 2.0}
+
+
+def test_position_counts_of_one_generation():
+    steps = [_step(4, 4), _step(4, 1), _step(2, 0), _step(0, 0)]  # a plain step drafts nothing
+    # position i counts where the target judged it: drafted, and every token before it accepted
+    assert position_counts(steps) == {"drafted": [3, 2, 1, 1], "accepted": [2, 1, 1, 1]}
+    assert position_counts([_step(0, 0)]) == {"drafted": [], "accepted": []}
+
+
+def test_draft_positions_sum_counts_over_runs_before_dividing():
+    def run(mode, steps, draft_ms):
+        tokens = sum(len(s["draft"]) for s in steps)
+        return {"mode": mode, "positions": position_counts(steps),
+                "stats": {"draft_tokens": tokens, "draft_compute_ms": draft_ms}}
+
+    runs = [run("sd-fixed-k4", [_step(4, 4), _step(4, 0)], 8.0),  # 8 draft tokens
+            run("sd-fixed-k4", [_step(2, 2), _step(1, 1)], 7.0),  # 3 draft tokens (drafts stopped early)
+            run("sd-autoregressive", [_step(0, 0)] * 3, 0.0), {"mode": "hf-plain"}]
+    pos = draft_positions(runs, ["hf-plain", "sd-autoregressive", "sd-fixed-k4", "sd-cost"])
+    assert list(pos) == ["sd-fixed-k4"]  # modes with no drafts, or not run, have no row
+    p = pos["sd-fixed-k4"]
+    assert p["drafted"] == [4, 2, 1, 1] and p["accepted"] == [3, 2, 1, 1]
+    assert p["acceptance"] == pytest.approx([0.75, 1.0, 1.0, 1.0])
+    assert p["draft_tokens"] == 11 and p["ms_per_draft_token"] == pytest.approx(15.0 / 11)
+
+    md = render_positions(pos)
+    assert "### Acceptance by draft position" in md
+    lines = md.splitlines()
+    assert "| mode | drafting steps | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | ms/draft token |" in lines
+    assert "| sd-fixed-k4 | 4 | 75% | 100% | 100% | 100% | – | – | – | – | 1.36 |" in lines
+    assert render_positions({}) == ""
 
 
 def test_plots_write_pngs(tmp_path):
@@ -301,7 +423,7 @@ def test_batchcost_prices_a_random_model_of_a_real_configuration(tmp_path, monke
     argv = ["--target", "random:tiny-gpt2", "--draft", "none", "--batches", "1,2", "--rows", "1,3", "--repeats", "1",
             "--context", "8", "--kernels", "runner", "packed", "--out", str(tmp_path / "out")]
     assert batchcost.main(argv) == 0
-    assert (tmp_path / "cache" / "random-models" / "tiny-gpt2" / "config.json").exists()
+    assert (tmp_path / "cache" / "random-models" / "tiny-gpt2-bpe" / "config.json").exists()
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(results["target_ms"]) == {f"{k}:{b}x{q}" for k in ("runner", "packed") for b in (1, 2) for q in (1, 3)}
     assert results["draft_step_ms"] == {} and "draft step" not in (tmp_path / "out" / "results.md").read_text()
