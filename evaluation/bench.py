@@ -299,7 +299,7 @@ def render_positions(positions: dict[str, dict[str, Any]]) -> str:
     rows = [{"mode": m, **p} for m, p in positions.items()]
     return "\n".join([
         "### Acceptance by draft position", "",
-        "Position i: draft tokens accepted at i / steps that drafted at least i + 1 tokens (all prompts "
+        "Position i: draft tokens accepted at i / steps whose draft reached i with every token before it accepted (all prompts "
         "and repeats). ms/draft token: the draft's server compute / tokens it drafted.", "",
         report.markdown_table(rows, columns), "",
     ])

@@ -76,9 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=[parse_draft(s) for s in (
                        "random:distilgpt2@transformers", "random:distilgpt2@llamacpp:f16",
                        "random:distilgpt2@llamacpp:q8_0", "random:distilgpt2@llamacpp:q4_0",
-                       "random:distilgpt2@llamacpp:q4_k_m", "target@llamacpp:q4_0")],
+                       "random:distilgpt2@llamacpp:q4_k_m", "target@llamacpp:q8_0", "target@llamacpp:q4_0")],
                    help="drafts, MODEL@BACKEND[:QUANT] (default: DistilGPT-2 on transformers and on llama.cpp at "
-                        "f16 q8_0 q4_0 q4_k_m, and the target itself at q4_0)")
+                        "f16 q8_0 q4_0 q4_k_m, and the target itself at q8_0 and q4_0)")
     p.add_argument("--acceptances", type=lambda s: [float(x) for x in s.split(",")], default=list(ACCEPTANCES),
                    help="per-token acceptance rates to project (default 0.6,0.7,0.8,0.9,0.95)")
     p.add_argument("--max-k", type=int, default=12, help="longest draft priced (default 12)")

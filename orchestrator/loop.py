@@ -214,29 +214,44 @@ class ModelLimits:
 
 class Detokenizer:
     """Incremental text from growing token ids, holding back incomplete characters and any tail
-    that could still become a stop string."""
+    that could still become a stop string.
+
+    Each push decodes only a window: the ids since the previous push's start (its text is known)
+    and the new ones, and keeps the difference (the offsets scheme of TGI and vLLM). The window's
+    first token gives the new ones their context (a SentencePiece word's leading space, a byte
+    sequence split across tokens), so the pieces add up to what decoding everything at once gives,
+    and a long answer costs the same per token as a short one (decoding everything each step was
+    quadratic in the answer's length)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
         self.decode = decode
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
+        self.decoded = ""  # text of ids[:read], as the windows gave it
+        self.prefix = 0  # the window starts here: ids[prefix:read] decode to decoded's tail
+        self.read = 0  # ids up to here are in decoded
         self.sent = 0  # characters of text already emitted
         self.stopped = False
 
     def push(self, ids: list[int], final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.decode(self.ids)
+        known = self.decode(self.ids[self.prefix:self.read])
+        window = self.decode(self.ids[self.prefix:])
+        # an incomplete multi-byte character decodes as U+FFFD: wait for the rest (unless this is the end)
+        if len(window) > len(known) and (final or not window.endswith("\ufffd")):
+            self.decoded += window[len(known):]
+            self.prefix, self.read = self.read, len(self.ids)
+        text = self.decoded
+        end = len(text)
         for s in self.stop:
             pos = text.find(s, max(0, self.sent - len(s)))
-            if pos >= 0:
-                text, final, self.stopped = text[:pos], True, True
+            if 0 <= pos < end:
+                end, final, self.stopped = pos, True, True
         if not final:
-            # an incomplete multi-byte character decodes as U+FFFD: wait for the rest
-            text = text.rstrip("\ufffd")
-            text = text[: max(self.sent, len(text) - self.holdback)]
-        delta = text[self.sent :]
-        self.sent = max(self.sent, len(text))
+            end = min(end, max(self.sent, len(text) - self.holdback))
+        delta = text[self.sent:end]
+        self.sent = max(self.sent, end)
         return delta
 
     @property

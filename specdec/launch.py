@@ -34,7 +34,7 @@ PAIRS: dict[str, dict[str, str]] = {
                  "SPECDEC_DRAFT_BACKEND": "llamacpp"},
     # DistilGPT-2 converted to GGUF for llama.cpp on the draft's first start (specdec.gguf_convert)
     "gpt2": {"SPECDEC_TARGET_MODEL": "gpt2", "SPECDEC_DRAFT_MODEL": "distilgpt2",
-             "SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_QUANT": "q4_0"},
+             "SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_QUANT": "q8_0"},
 }
 
 

@@ -143,7 +143,7 @@ def test_one_variable_switches_to_gpt2_and_distilgpt2() -> None:
     assert draft["environment"]["SPECDEC_DRAFT_MODEL"] == "distilgpt2"
     # DistilGPT-2 converted for llama.cpp on the draft's first start, kept in a volume of its own
     assert draft["environment"]["SPECDEC_DRAFT_BACKEND"] == "llamacpp"
-    assert draft["environment"]["SPECDEC_DRAFT_QUANT"] == "q4_0"
+    assert draft["environment"]["SPECDEC_DRAFT_QUANT"] == "q8_0"
     assert target["environment"]["SPECDEC_TARGET_MODEL"] == "gpt2"
     # They download from the hub on first start, into the shared volume.
     for service in (draft, target):
@@ -271,7 +271,7 @@ def test_pairs_set_the_model_variables(services: dict) -> None:
     assert defaults("pair-embedded") == {"SPECDEC_TARGET_MODEL": "embedded", "SPECDEC_DRAFT_MODEL": "embedded",
                                          "SPECDEC_DRAFT_BACKEND": "llamacpp"}
     assert defaults("pair-gpt2") == {"SPECDEC_TARGET_MODEL": "gpt2", "SPECDEC_DRAFT_MODEL": "distilgpt2",
-                                     "SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_QUANT": "q4_0"}
+                                     "SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_QUANT": "q8_0"}
     for pair in ("pair-embedded", "pair-gpt2"):  # each may be overridden by the variable of its own name
         for key, value in services[pair]["environment"].items():
             if key != "HF_HUB_OFFLINE":

@@ -12,7 +12,7 @@ from evaluation.pairprice import DraftSpec, parse_args, parse_draft, projected_s
 def test_draft_specs():
     assert parse_draft("random:distilgpt2@llamacpp:q8_0") == DraftSpec("random:distilgpt2@llamacpp:q8_0",
                                                                        "random:distilgpt2", "llamacpp", "q8_0")
-    assert parse_draft("target@llamacpp").quant == "q4_0"  # the service's default
+    assert parse_draft("target@llamacpp").quant == "q8_0"  # the service's default
     assert parse_draft("distilgpt2@transformers") == DraftSpec("distilgpt2@transformers", "distilgpt2", "transformers")
     for bad, why in (("distilgpt2", "MODEL@BACKEND"), ("x@onnx", "backend"), ("x@transformers:q4_0", "no quantisation"),
                      ("x@llamacpp:q3_x", "unknown quantisation")):
