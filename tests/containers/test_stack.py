@@ -7,6 +7,7 @@ stack brought up from compose.yaml + compose.grpc.yaml by the Docker Compose bin
 - a killed draft comes back through its restart policy without a single failed request (the
   orchestrator decodes without drafts meanwhile) and drafting resumes;
 - a killed target comes back and requests succeed again;
+- the draft image converts a model for llama.cpp into its gguf-cache volume;
 - SPECDEC_PAIR=gpt2 resolves (compose config: those weights cannot be downloaded here);
 - teardown leaves no container, network or volume of the project.
 
@@ -280,6 +281,19 @@ def test_killed_target_restarts_and_requests_succeed_again(stack: Stack, client:
 
 
 # -- the gpt2 pair, resolved only ------------------------------------------------------------------
+
+
+def test_draft_image_converts_models_for_llamacpp(stack: Stack) -> None:
+    """The image carries llama.cpp's converter and its dependencies, and the draft container may
+    write the gguf-cache volume: the embedded target converts to q8_0, as SPECDEC_DRAFT_MODEL=target
+    does on a draft's first start, and a second run reuses the file."""
+    cmd = ("exec", "-T", "draft", "python", "-m", "specdec.gguf_convert", "embedded", "--quant", "q8_0")
+    first = stack.compose(*cmd, timeout=300)
+    path = first.stdout.strip().splitlines()[-1]
+    assert path.startswith("/opt/specdec/cache/gguf/") and path.endswith("-q8_0.gguf"), first.stdout + first.stderr
+    assert "converted embedded to q8_0 in" in first.stderr
+    again = stack.compose(*cmd, timeout=120)
+    assert again.stdout.strip().splitlines()[-1] == path and "(cached)" in again.stderr
 
 
 def test_gpt2_pair_resolves(stack: Stack) -> None:
