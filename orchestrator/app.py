@@ -69,6 +69,17 @@ class Runtime:
     # so concurrent calls on one tokenizer can fail ("Already borrowed").
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
+    draining_since: float | None = None  # monotonic time of the SIGTERM that started the drain
+
+    def drain(self) -> None:
+        """Stop admitting; generations in progress get ``drain_timeout_s`` to finish (SIGTERM)."""
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+            logger.info("draining: no new requests; %d in progress get %.0f s to finish",
+                        self.active, self.settings.drain_timeout_s)
+
+    def drain_expired(self) -> bool:
+        return self.draining_since is not None and time.monotonic() - self.draining_since >= self.settings.drain_timeout_s
 
     @property
     def model_name(self) -> str:
@@ -281,6 +292,9 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         output is the same, only slower), 503 with ``reason`` otherwise. A draft outage must not
         take every orchestrator out of a load balancer."""
         rt: Runtime = request.app.state.rt
+        if rt.draining_since is not None:  # out of the load balancer while the streams in progress finish
+            return JSONResponse({"ready": False, "reason": "draining: the server is shutting down", "degraded": "",
+                                 "in_progress": rt.active}, status_code=503)
         await connect(rt)
         body = {"ready": not rt.not_ready, "reason": rt.not_ready, "degraded": rt.degraded,
                 "draft": rt.draft_info, "target": rt.target_info,
@@ -396,6 +410,9 @@ def _seed(seed: int | None) -> int:
 
 
 def require_ready(rt: Runtime) -> None:
+    if rt.draining_since is not None:
+        raise HTTPException(503, detail="the server is shutting down; retry on another replica",
+                            headers={"Retry-After": "1"})
     if rt.tokenizer is None or rt.limits is None:
         raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
     if rt.not_ready.startswith(("draft and target tokenizers differ", "the draft's vocabulary")):
@@ -483,17 +500,24 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, 
     """("step", StepEvent dict) per iteration, then ("done", result); errors as HTTPException."""
     rt = run.rt
     controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs)
-    disconnected = request.is_disconnected if request is not None else None
     token_ids: list[int] = []
+
+    async def stop() -> bool:
+        """The client went away, or the drain's time is up."""
+        return rt.drain_expired() or (request is not None and await request.is_disconnected())
+
     try:
         async for item in generate(run.params, rt.draft, rt.target, controller, rt.limits, rt.draft_health,
-                                   lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True), disconnected,
+                                   lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True), stop,
                                    in_progress=lambda: rt.active):
             if isinstance(item, StepEvent):
                 token_ids.extend(item.tokens)
                 yield "step", item.to_dict()
             else:
                 finish, text, stats = item
+                if finish == "cancelled" and rt.drain_expired():
+                    raise HTTPException(503, detail=f"the server shut down before the answer was complete "
+                                                    f"({len(token_ids)} tokens generated); retry the request")
                 yield "done", result_dict(finish, text, token_ids, stats, run)
     except TargetBusy as exc:
         raise too_busy(str(exc)) from exc

@@ -67,6 +67,12 @@ class OrchestratorSettings(BaseSettings):
     max_concurrent_requests_per_key: int = Field(
         16, ge=1, description="More concurrent generations under one API key get HTTP 429 (with API keys set)."
     )
+    drain_timeout_s: float = Field(
+        25.0, ge=0, description="On SIGTERM the orchestrator stops admitting (503, /ready 503 `draining`) and lets the "
+                                "generations in progress finish for this long; any still running then ends with a 503 "
+                                "(an `error` event on a stream), so every client gets a terminal answer. Keep it below "
+                                "the pod's terminationGracePeriodSeconds minus its preStop pause.",
+    )
     stream_send_timeout_s: float = Field(
         30.0, gt=0, description="A stream whose client takes no event for this long is cancelled: its generation "
                                 "stops, its sessions are released and its slot is freed (a client that stopped reading).",

@@ -195,6 +195,14 @@ def test_services_are_the_four_processes_and_the_pair_entries(services: dict) ->
         assert services[name]["scale"] == 1
 
 
+def test_orchestrator_is_given_time_to_drain(services: dict) -> None:
+    from orchestrator.settings import OrchestratorSettings
+
+    grace = services["orchestrator"]["stop_grace_period"]
+    assert grace.endswith("s")
+    assert float(grace[:-1]) >= OrchestratorSettings.model_fields["drain_timeout_s"].default + 5 + 5
+
+
 def test_launcher_pairs_are_composes(services: dict) -> None:
     """`SPECDEC_PAIR=gpt2 make run` and `SPECDEC_PAIR=gpt2 docker compose up` run the same models."""
     for name, settings in launch.PAIRS.items():

@@ -363,6 +363,20 @@ def test_orchestrator_scales_with_an_autoscaler(rendered, overlay):
     assert one(docs, "PodDisruptionBudget", "orchestrator")["spec"]["minAvailable"] >= 1
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_orchestrator_drains_within_its_grace_period(rendered, overlay):
+    """A rollout or scale-in: preStop pause, then SIGTERM starts the drain; the drain, uvicorn's
+    margin after it and the pause fit in the pod's grace period, so no stream is cut by SIGKILL."""
+    from orchestrator.settings import OrchestratorSettings
+
+    docs = rendered[overlay]
+    pod = one(docs, "Deployment", "orchestrator")["spec"]["template"]["spec"]
+    pause = container(docs, "orchestrator")["lifecycle"]["preStop"]["sleep"]["seconds"]
+    drain = float(environment(docs, "orchestrator").get("SPECDEC_ORCHESTRATOR_DRAIN_TIMEOUT_S",
+                                                        OrchestratorSettings.model_fields["drain_timeout_s"].default))
+    assert pause >= 3 and pause + drain + 5 + 10 <= pod["terminationGracePeriodSeconds"]
+
+
 def dockerfile_env() -> dict[str, str]:
     text = (ROOT / "Dockerfile").read_text().split("FROM ${PYTHON_IMAGE} AS runtime", 1)[1]
     return dict(re.findall(r"(\w+)=(\S+)", "".join(re.findall(r"ENV ((?:.*\\\n)*.*)", text)).replace("\\\n", " ")))
