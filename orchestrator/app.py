@@ -70,6 +70,7 @@ class Runtime:
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
     draining_since: float | None = None  # monotonic time of the SIGTERM that started the drain
+    tokenizer_fingerprint: str = ""  # of ``tokenizer``: compared with the target's on every check
 
     def drain(self) -> None:
         """Stop admitting; generations in progress get ``drain_timeout_s`` to finish (SIGTERM)."""
@@ -122,6 +123,10 @@ async def connect(rt: Runtime) -> None:
             f"({target.model_id}: {target.vocab_size} ids); pair a draft whose ids the target accepts"
         )
         return
+    if rt.tokenizer is not None and rt.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        # the target now serves another model (a rollout): text must not be decoded with the old vocabulary
+        logger.warning("the target's tokenizer changed (%s): loading it again", target.model_id)
+        rt.tokenizer, rt.tokenizer_fingerprint, rt.limits = None, "", None
     if rt.tokenizer is None:
         from specdec.models import load_tokenizer, tokenizer_fingerprint
 
@@ -135,7 +140,7 @@ async def connect(rt: Runtime) -> None:
         if fingerprint != target.tokenizer_fingerprint:
             rt.not_ready = f"tokenizer {spec!r} does not match the target's ({target.model_id})"
             return
-        rt.tokenizer = tokenizer
+        rt.tokenizer, rt.tokenizer_fingerprint = tokenizer, fingerprint
     own = runtime.host_id(), runtime.cpu_cores()
     rt.costs.set_hosts((target.host_id, target.cpu_cores) if target.host_id else None,
                        (draft.host_id, draft.cpu_cores) if draft is not None and draft.host_id else None, own)
@@ -501,6 +506,7 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, 
     rt = run.rt
     controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs)
     token_ids: list[int] = []
+    tokenizer = rt.tokenizer  # the one this request was tokenised with, whatever a re-check loads meanwhile
 
     async def stop() -> bool:
         """The client went away, or the drain's time is up."""
@@ -508,7 +514,7 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, 
 
     try:
         async for item in generate(run.params, rt.draft, rt.target, controller, rt.limits, rt.draft_health,
-                                   lambda ids: rt.tokenizer.decode(ids, skip_special_tokens=True), stop,
+                                   lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stop,
                                    in_progress=lambda: rt.active):
             if isinstance(item, StepEvent):
                 token_ids.extend(item.tokens)

@@ -20,6 +20,7 @@ error is raised, which the orchestrator turns into 503 (or 429 when all were bus
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -44,6 +45,9 @@ C = TypeVar("C")
 
 # A call that fails with these moves to the session's next replica.
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# Sessions whose replicas are remembered for Release; past this the oldest are forgotten (a session
+# never released is freed by the services' idle TTL anyway).
+MAX_TRACKED_SESSIONS = 100_000
 
 
 def parse_addresses(spec: str) -> list[tuple[str, int]]:
@@ -82,6 +86,9 @@ class Replica(Generic[C]):
     up: bool = True
     reason: str = ""  # why it is down
     since: float = dataclasses.field(default_factory=time.monotonic)
+    # Why it serves another model than the pool's (""): never routed to, not even as a last
+    # resort, and no successful call clears it; only a probe that finds the pool's model again.
+    wrong_model: str = ""
 
 
 class Replicas(Generic[C]):
@@ -100,6 +107,7 @@ class Replicas(Generic[C]):
         self.replicas: dict[str, Replica[C]] = {}
         self._retired: list[C] = []
         self._task: asyncio.Task | None = None
+        self._holders: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
         # Until the first resolution: every configured entry as given.
         self._apply([(_join(h, p), h) for h, p in self.hosts])
 
@@ -164,11 +172,26 @@ class Replicas(Generic[C]):
             replica.up, replica.reason, replica.since = True, "", time.monotonic()
             self._publish()
 
-    def up(self) -> list[Replica[C]]:
-        return [r for r in self.replicas.values() if r.up]
+    def set_wrong_model(self, address: str, reason: str) -> None:
+        """Mark (``reason``) or clear ("") a replica serving another model than the pool's."""
+        replica = self.replicas.get(address)
+        if replica is None or replica.wrong_model == reason:
+            return
+        if reason:
+            logger.warning("%s replica %s is left out: %s", self.service, address, reason)
+        else:
+            logger.info("%s replica %s serves the pool's model again", self.service, address)
+        replica.wrong_model = reason
+        self._publish()
 
-    async def probe(self, check: Callable[[C], Awaitable[Any]]) -> list[tuple[Replica[C], Any]]:
-        """Run ``check`` on every replica at once; mark each up or down; [(replica, result)] of those up."""
+    def up(self) -> list[Replica[C]]:
+        return [r for r in self.replicas.values() if r.up and not r.wrong_model]
+
+    async def probe(self, check: Callable[[C], Awaitable[Any]],
+                    wrong: Callable[[Any], str] | None = None) -> list[tuple[Replica[C], Any]]:
+        """Run ``check`` on every replica at once; mark each up or down, and, with ``wrong``
+        (result -> why this replica serves another model, or ""), mark or clear it as serving
+        another model; [(replica, result)] of those up."""
         replicas = list(self.replicas.values())
         results = await asyncio.gather(*(check(r.client) for r in replicas), return_exceptions=True)
         ok = []
@@ -178,11 +201,14 @@ class Replicas(Generic[C]):
                 self.mark_down(replica.address, f"probe failed: {code}")
             else:
                 self.mark_up(replica.address)
+                if wrong is not None:
+                    self.set_wrong_model(replica.address, wrong(result))
                 ok.append((replica, result))
         return ok
 
-    def start(self, check: Callable[[C], Awaitable[Any]]) -> None:
-        """Keep resolving and probing in the background (``check``: a cheap call, e.g. Info)."""
+    def start(self, check: Callable[[C], Awaitable[Any]], wrong: Callable[[Any], str] | None = None) -> None:
+        """Keep resolving and probing in the background (``check``: a cheap call, e.g. Info;
+        ``wrong``: as for :meth:`probe`)."""
 
         async def run() -> None:
             last_resolve = -float("inf")
@@ -191,7 +217,7 @@ class Replicas(Generic[C]):
                     if time.monotonic() - last_resolve >= self.resolve_every_s:
                         last_resolve = time.monotonic()
                         await self.resolve()
-                    await self.probe(check)
+                    await self.probe(check, wrong)
                 except Exception:  # keep probing whatever one round met
                     logger.exception("%s replica probe failed", self.service)
                 await asyncio.sleep(self.probe_every_s)
@@ -202,8 +228,9 @@ class Replicas(Generic[C]):
 
     def ranked(self, session_id: str) -> list[Replica[C]]:
         """Replicas in this session's order: those up by rendezvous rank, then those down (a last
-        resort: a replica marked down may be back before its next probe)."""
-        order = rendezvous_rank(session_id, list(self.replicas))
+        resort: a replica marked down may be back before its next probe); never one that serves
+        another model (its output would be another model's)."""
+        order = [a for a in rendezvous_rank(session_id, list(self.replicas)) if not self.replicas[a].wrong_model]
         return [self.replicas[a] for a in order if self.replicas[a].up] + \
                [self.replicas[a] for a in order if not self.replicas[a].up]
 
@@ -230,16 +257,33 @@ class Replicas(Generic[C]):
                 FAILOVERS.labels(self.service, exc.code().name.lower()).inc()
                 continue
             self.mark_up(replica.address)
+            self._held_by(session_id).add(replica.address)
             return result
         # Busy somewhere, down elsewhere: busy is the error that tells the client to come back.
         if busy is not None or down is not None:
             raise busy or down
         raise RuntimeError(f"no {self.service} replica configured")
 
+    def _held_by(self, session_id: str) -> set[str]:
+        """The replicas that served a call of this session (each may hold a copy of its cache)."""
+        held = self._holders.pop(session_id, None) or set()
+        self._holders[session_id] = held  # most recent last: the oldest go first past the bound
+        while len(self._holders) > MAX_TRACKED_SESSIONS:
+            self._holders.popitem(last=False)
+        return held
+
+    def holders(self, session_id: str) -> list[Replica[C]]:
+        """Every replica that may hold this session: those that served it, and its owner now."""
+        addresses = self._holders.pop(session_id, set())
+        owner = self.owner(session_id)
+        if owner is not None:
+            addresses.add(owner.address)
+        return [self.replicas[a] for a in sorted(addresses) if a in self.replicas]
+
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        return [{"address": r.address, "name": r.name, "up": r.up, "reason": r.reason,
-                 "for_s": round(now - r.since, 1)} for r in self.replicas.values()]
+        return [{"address": r.address, "name": r.name, "up": r.up and not r.wrong_model,
+                 "reason": r.wrong_model or r.reason, "for_s": round(now - r.since, 1)} for r in self.replicas.values()]
 
     async def close(self, close_client: Callable[[C], Awaitable[None]]) -> None:
         if self._task is not None:
@@ -274,34 +318,48 @@ class _Pool:
 
     def start(self) -> None:
         """Resolve and probe in the background (call inside the event loop)."""
-        self.replicas.start(self._check)
+        self.replicas.start(lambda c: c.info(timeout_s=2.0), self._wrong)
 
-    async def _check(self, client: Any) -> Any:
-        info = await client.info(timeout_s=2.0)
-        if self.fingerprint is not None and (info.tokenizer_fingerprint, info.vocab_size) != self.fingerprint:
-            raise ValueError(f"replica serves another model ({info.model_id})")
-        return info
+    def _wrong(self, info: Any) -> str:
+        """Why a replica answering ``info`` serves another model than the pool's ("" when it does not)."""
+        if self.fingerprint is None or (info.tokenizer_fingerprint, info.vocab_size) == self.fingerprint:
+            return ""
+        return f"serves another model ({info.model_id}: tokenizer {info.tokenizer_fingerprint[:12]}, " \
+               f"{info.vocab_size} ids) than the pool ({self.fingerprint[0][:12]}, {self.fingerprint[1]} ids)"
 
     async def info(self, timeout_s: float = 2.0) -> Any:
-        """Info of the first replica that answers (all are probed; those that do not answer, or
-        serve another model than the first, are marked down)."""
+        """Info of a replica serving the pool's model (all are probed; those that do not answer are
+        marked down, those serving another model left out). The pool's model is the first one
+        found; it changes only when no replica serves it any more (a rollout to another model),
+        and the orchestrator then checks its tokenizer against the new one (orchestrator.app.connect)."""
         await self.replicas.resolve()
-        self.fingerprint = None
         ok = await self.replicas.probe(lambda c: c.info(timeout_s=timeout_s))
         if not ok:
             reasons = "; ".join(f"{r.address}: {r.reason}" for r in self.replicas.replicas.values())
             raise unavailable(f"no {self.service} replica answers ({reasons})")
-        first = ok[0][1]
-        self.fingerprint = (first.tokenizer_fingerprint, first.vocab_size)
-        for replica, info in ok[1:]:
-            if (info.tokenizer_fingerprint, info.vocab_size) != self.fingerprint:
-                self.replicas.mark_down(replica.address, f"serves another model ({info.model_id}) than "
-                                                         f"{ok[0][0].address} ({first.model_id})")
-        return first
+
+        def fingerprint(info: Any) -> tuple[str, int]:
+            return info.tokenizer_fingerprint, info.vocab_size
+
+        if self.fingerprint is None or all(fingerprint(info) != self.fingerprint for _, info in ok):
+            if self.fingerprint is not None:
+                logger.warning("%s: no replica serves the pool's model any more; following %s (%s)", self.service,
+                               ok[0][0].address, ok[0][1].model_id)
+            self.fingerprint = fingerprint(ok[0][1])  # set in one step: no check ever sees it unset
+        for replica, info in ok:
+            self.replicas.set_wrong_model(replica.address, self._wrong(info))
+        return next(info for _, info in ok if fingerprint(info) == self.fingerprint)
 
     async def release(self, session_id: str) -> bool:
-        owner = self.replicas.owner(session_id)
-        return False if owner is None else await owner.client.release(session_id)
+        """Release the session on every replica that may hold it (a failover leaves a copy on each
+        replica that served it); whether any held it."""
+        held = False
+        for replica in self.replicas.holders(session_id):
+            try:
+                held = await replica.client.release(session_id) or held
+            except grpc.aio.AioRpcError:  # that replica is gone: its sessions went with it
+                pass
+        return held
 
     async def close(self) -> None:
         await self.replicas.close(lambda c: c.close())

@@ -63,3 +63,49 @@ def test_a_draft_that_comes_back_is_connected_again_within_seconds(tiny_target_s
                 time.sleep(0.2)
         finally:
             server.stop(0)
+
+
+def test_a_target_swapped_for_another_tokenizer_is_noticed(tiny_models, tmp_path):
+    """A rollout replaces the target with a model of another tokenizer at the same address: the next
+    check compares the orchestrator's tokenizer with the target's again, and with the old one
+    pinned (SPECDEC_ORCHESTRATOR_TOKENIZER) refuses to serve rather than decode with the wrong
+    vocabulary; without a pin it loads the new model's tokenizer and serves it."""
+    import shutil
+
+    from specdec.models import load_hf, load_tokenizer
+    from specdec.sessions import SessionStore
+    from target_service.engine import TargetEngine
+    from target_service.servicer import build_server
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_models["gpt2-target"], other)
+    tok = load_tokenizer(str(other))
+    tok.add_tokens(["<extra>"])  # one more token: another vocabulary, another fingerprint
+    tok.save_pretrained(other)
+    port = free_port()
+
+    def serve(path: str):
+        engine = TargetEngine(load_hf(path), SessionStore(8, 1 << 30, 0), max_draft_tokens=8)
+        server, _, _ = build_server(engine, f"127.0.0.1:{port}")
+        server.start()
+        return server
+
+    for pinned in (True, False):
+        server = serve(tiny_models["gpt2-target"])
+        settings = OrchestratorSettings(target_address=f"127.0.0.1:{port}", draft_address=f"127.0.0.1:{free_port()}",
+                                        tokenizer=tiny_models["gpt2-target"] if pinned else None)
+        try:
+            with TestClient(create_app(settings)) as client:
+                assert client.get("/ready").status_code == 200
+                server.stop(0).wait()
+                server = serve(str(other))
+                r = client.get("/ready")
+                if pinned:
+                    assert r.status_code == 503 and "does not match the target's" in r.json()["reason"]
+                    assert client.post("/v1/generate", json={"prompt": "ab", "max_tokens": 2}).status_code == 503
+                else:
+                    assert r.status_code == 200, r.text
+                    assert r.json()["target"]["tokenizer_fingerprint"] != ""
+                    assert client.app.state.rt.tokenizer.convert_tokens_to_ids("<extra>") == len(tok) - 1
+        finally:
+            server.stop(0)

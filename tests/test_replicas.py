@@ -124,6 +124,108 @@ def test_probe_marks_up_and_down():
     asyncio.run(main())
 
 
+class InfoClient(Client):
+    """A replica serving ``models[address]``: Info answers with that model's fingerprint."""
+
+    def __init__(self, address: str, failing: dict[str, grpc.StatusCode], models: dict[str, str],
+                 released: list[str], gate: asyncio.Event | None = None) -> None:
+        super().__init__(address, failing)
+        self.models, self.released, self.gate = models, released, gate
+
+    async def info(self, timeout_s: float = 2.0):
+        if self.gate is not None and self.address == "h2:1":
+            await self.gate.wait()  # a slow replica: other checks run meanwhile
+        model = self.models[self.address]
+        return pb.InfoResponse(model_id=model, tokenizer_fingerprint=f"fp-{model}", vocab_size=100)
+
+    async def release(self, session_id: str) -> bool:
+        self.released.append(self.address)
+        return True
+
+
+def make_pool(models: dict[str, str], failing=None, released=None, gate=None):
+    from orchestrator.replicas import TargetPool
+
+    failing = {} if failing is None else failing
+    released = [] if released is None else released
+    return TargetPool(",".join(models), lambda address, security: InfoClient(address, failing, models, released, gate))
+
+
+def test_a_replica_serving_another_model_is_never_used():
+    """Rollout to another model, replica by replica: the one that changed is left out of routing
+    (not even a last resort) until it serves the pool's model again; no successful call undoes it."""
+    async def main():
+        models = {"h1:1": "a", "h2:1": "a", "h3:1": "a"}
+        pool = make_pool(models)
+        assert (await pool.info()).model_id == "a"
+        models["h2:1"] = "b"
+        await pool.info()
+        r = pool.replicas
+        assert r.replicas["h2:1"].wrong_model and "serves another model (b" in r.replicas["h2:1"].wrong_model
+        for i in range(200):
+            assert all(rep.address != "h2:1" for rep in r.ranked(f"s{i}"))
+        # every other replica down: still never the wrong one
+        r.mark_down("h1:1", "x")
+        r.mark_down("h3:1", "x")
+        assert "h2:1" not in {rep.address for rep in r.ranked("s")}
+        r.mark_up("h2:1")  # what a successful call does
+        assert "h2:1" not in {rep.address for rep in r.ranked("s")}
+        assert {d["address"]: d["up"] for d in r.describe()}["h2:1"] is False
+        # the background probe sees it serve the pool's model again: back in
+        models["h2:1"] = "a"
+        await r.probe(lambda c: c.info(), pool._wrong)
+        assert not r.replicas["h2:1"].wrong_model
+        # the whole service moved to another model: the pool follows (the orchestrator re-checks its tokenizer)
+        models.update({"h1:1": "b", "h2:1": "b", "h3:1": "b"})
+        assert (await pool.info()).model_id == "b" and pool.fingerprint == ("fp-b", 100)
+        assert not any(rep.wrong_model for rep in r.replicas.values())
+
+    asyncio.run(main())
+
+
+def test_the_pools_model_stays_set_while_a_check_is_running():
+    """A check waiting on a slow replica never leaves the pool without its model: a concurrent probe
+    still tells the wrong replica apart (the fingerprint was unset during the await)."""
+    async def main():
+        gate = asyncio.Event()
+        models = {"h1:1": "a", "h2:1": "a", "h3:1": "b"}
+        pool = make_pool({"h1:1": "a", "h2:1": "a", "h3:1": "a"}, gate=gate)
+        gate.set()
+        await pool.info()
+        gate.clear()
+        pool.replicas.replicas["h3:1"].client.models = models
+        slow = asyncio.create_task(pool.info())
+        await asyncio.sleep(0.01)
+        assert pool.fingerprint == ("fp-a", 100)
+        await pool.replicas.probe(lambda c: c.info() if c.address != "h2:1" else asyncio.sleep(0, "skip"),
+                                  lambda info: pool._wrong(info) if isinstance(info, pb.InfoResponse) else "")
+        assert pool.replicas.replicas["h3:1"].wrong_model
+        gate.set()
+        await slow
+
+    asyncio.run(main())
+
+
+def test_release_reaches_every_replica_that_served_the_session():
+    """A failover leaves a copy of the session on each replica that served it: Release goes to all."""
+    async def main():
+        failing: dict[str, grpc.StatusCode] = {}
+        released: list[str] = []
+        pool = make_pool({"h1:1": "a", "h2:1": "a", "h3:1": "a"}, failing, released)
+        first = pool.replicas.owner("s").address
+        await pool.verify("s")
+        failing[first] = grpc.StatusCode.RESOURCE_EXHAUSTED  # busy: the next replica serves the step
+        await pool.verify("s")
+        second = pool.replicas.ranked("s")[1].address
+        assert await pool.release("s")
+        assert sorted(released) == sorted({first, second})
+        released.clear()
+        await pool.release("s")  # forgotten once released: only the owner is asked
+        assert released == [first]
+
+    asyncio.run(main())
+
+
 def test_a_name_with_several_addresses_is_several_replicas(monkeypatch):
     answers = {"target-headless": ["10.0.0.1", "10.0.0.2"]}
 
