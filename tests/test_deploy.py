@@ -450,12 +450,35 @@ def test_only_the_orchestrator_reaches_the_grpc_ports(rendered, overlay):
     assert grpc_intruders(rendered[overlay]) == []
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_dashboard_and_the_orchestrator_are_isolated(rendered, overlay):
+    """The dashboard generates with an API key: only namespaces labelled for it reach it, on its
+    port; the orchestrator's pods take traffic on their HTTP port only."""
+    docs = rendered[overlay]
+    labels = pod_labels(docs)
+    policies = objects(docs, "NetworkPolicy")
+
+    def isolating(name: str) -> list[dict]:
+        return [p for p in policies.values() if selects(p["spec"]["podSelector"], labels[name])
+                and "Ingress" in p["spec"].get("policyTypes", [])]
+
+    (dashboard,) = isolating("dashboard")
+    port = port_of(container(docs, "dashboard"), "http")
+    assert dashboard["spec"]["ingress"] == [{
+        "from": [{"namespaceSelector": {"matchLabels": {"specdec.io/dashboard-access": "allowed"}}}],
+        "ports": [{"protocol": "TCP", "port": port}]}]
+    (orchestrator,) = isolating("orchestrator")
+    assert [r["ports"] for r in orchestrator["spec"]["ingress"]] == [
+        [{"protocol": "TCP", "port": port_of(container(docs, "orchestrator"), "http")}]]
+    assert environment(docs, "dashboard")["SPECDEC_UI_PASSWORD"].endswith(":ui-password")
+
+
 def test_the_policy_check_rejects_wider_policies(rendered):
     docs = rendered["embedded"]
 
     def variant(change) -> list[str]:
         changed = copy.deepcopy(docs)
-        (policy,) = objects(changed, "NetworkPolicy").values()
+        policy = objects(changed, "NetworkPolicy")["model-services"]
         change(policy["spec"])
         return grpc_intruders(changed)
 

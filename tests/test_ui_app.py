@@ -511,3 +511,31 @@ def test_launch_command(monkeypatch):
     assert cmd[cmd.index("--server.headless") + 1] == "true"
     assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"  # local only unless SPECDEC_UI_HOST says otherwise
     assert cmd[cmd.index("--browser.gatherUsageStats") + 1] == "false"
+
+
+def test_a_password_guards_the_dashboard(fake, monkeypatch):
+    """With SPECDEC_UI_PASSWORD the page shows only a sign-in form, sends nothing to the orchestrator,
+    and opens once this browser session gives the right password."""
+    monkeypatch.setenv("SPECDEC_UI_PASSWORD", "s3cret pass")
+    at = app()
+    assert [t.label for t in at.text_input] == ["Password"] and not at.text_area and not fake.gets
+    at.text_input(key="password").input("wrong")
+    at.button[0].click().run()
+    assert "Wrong password." in messages(at.error) and not at.text_area and not fake.gets
+    at.text_input(key="password").input("s3cret pass")
+    at.button[0].click().run()
+    assert not at.exception and at.text_area(key="prompt") is not None and fake.gets
+    assert "**orchestrator**: ready" in messages(at.sidebar.markdown)
+
+
+def test_the_launcher_warns_of_a_key_without_a_password(monkeypatch, capsys):
+    import ui.__main__ as launcher
+
+    monkeypatch.setattr(launcher.os, "execv", lambda *a: None)
+    monkeypatch.setenv("SPECDEC_UI_API_KEY", "k")
+    monkeypatch.delenv("SPECDEC_UI_PASSWORD", raising=False)
+    launcher.main()
+    assert "asks no password" in capsys.readouterr().err
+    monkeypatch.setenv("SPECDEC_UI_PASSWORD", "p")
+    launcher.main()
+    assert capsys.readouterr().err == ""

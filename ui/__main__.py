@@ -28,7 +28,12 @@ def command(settings: UISettings | None = None) -> list[str]:
 
 
 def main() -> None:
-    cmd = command()
+    settings = UISettings()
+    if settings.orchestrator_key() and not settings.dashboard_password():
+        print("warning: the dashboard generates with SPECDEC_UI_API_KEY and asks no password: whoever reaches "
+              f"{settings.host}:{settings.port} uses the key; set SPECDEC_UI_PASSWORD(_FILE) (docs/security.md)",
+              file=sys.stderr, flush=True)
+    cmd = command(settings)
     os.execv(cmd[0], cmd)
 
 

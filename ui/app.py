@@ -7,6 +7,7 @@ lives in ``ui.client`` (HTTP, SSE) and ``ui.render`` (tokens, series, summaries)
 
 from __future__ import annotations
 
+import hmac
 import sys
 import time
 from pathlib import Path
@@ -45,9 +46,26 @@ REFRESH_S = 0.25  # least time between two redraws of a streaming answer
 SERVER_REFRESH_S = 2.0  # how often the open Server tab asks for a new snapshot
 
 
+def signed_in(password: str | None) -> bool:
+    """True when no password is set or this browser session gave it; else show the sign-in form."""
+    if password is None or st.session_state.get("signed_in"):
+        return True
+    st.title("specdec dashboard")
+    with st.form("sign-in"):
+        given = st.text_input("Password", type="password", key="password")
+        if st.form_submit_button("Sign in"):
+            if hmac.compare_digest(given.encode(), password.encode()):
+                st.session_state["signed_in"] = True
+                st.rerun()
+            st.error("Wrong password.")
+    return False
+
+
 def main() -> None:
     st.set_page_config(page_title="specdec: speculative decoding, live", page_icon=":material/bolt:", layout="wide")
     settings = UISettings()
+    if not signed_in(settings.dashboard_password()):
+        st.stop()
     client = OrchestratorClient(settings.orchestrator_url, settings.request_timeout_s, settings.stream_timeout_s,
                                 settings.orchestrator_key())
     st.html(CSS)
