@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from orchestrator.auth import add_api_key_auth, grpc_security
+from orchestrator.auth import add_api_key_auth, grpc_security, may_see_details
 from orchestrator.clients import DraftClient, TargetClient
 from orchestrator.controller import CostModel, make_controller
 from orchestrator.loop import (
@@ -44,6 +44,7 @@ from specdec import params as sm
 from specdec import runtime
 
 logger = logging.getLogger(__name__)
+READY_RECHECK_S = 1.0  # /ready asks the services again at most this often
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Runtime:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
     draining_since: float | None = None  # monotonic time of the SIGTERM that started the drain
     tokenizer_fingerprint: str = ""  # of ``tokenizer``: compared with the target's on every check
+    checked_at: float = -float("inf")  # monotonic time of the last connect()
 
     def drain(self) -> None:
         """Stop admitting; generations in progress get ``drain_timeout_s`` to finish (SIGTERM)."""
@@ -95,6 +97,7 @@ def _info_dict(info: Any) -> dict[str, Any]:
 
 async def connect(rt: Runtime) -> None:
     """Read both services' Info, load the tokenizer, check they are compatible; set readiness."""
+    rt.checked_at = time.monotonic()
     try:
         target = await rt.target.info()
     except grpc.aio.AioRpcError as exc:
@@ -298,12 +301,15 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         take every orchestrator out of a load balancer."""
         rt: Runtime = request.app.state.rt
         if rt.draining_since is not None:  # out of the load balancer while the streams in progress finish
-            return JSONResponse({"ready": False, "reason": "draining: the server is shutting down", "degraded": "",
-                                 "in_progress": rt.active}, status_code=503)
-        await connect(rt)
-        body = {"ready": not rt.not_ready, "reason": rt.not_ready, "degraded": rt.degraded,
-                "draft": rt.draft_info, "target": rt.target_info,
-                "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()}}
+            return JSONResponse({"ready": False, "reason": "draining: the server is shutting down", "degraded": ""},
+                                status_code=503)
+        # Probes come often and from anyone: the services are asked again at most once a second.
+        if time.monotonic() - rt.checked_at >= READY_RECHECK_S:
+            await connect(rt)
+        body: dict[str, Any] = {"ready": not rt.not_ready, "reason": rt.not_ready, "degraded": rt.degraded}
+        if may_see_details(request):  # model paths, replica addresses, sessions: not for anonymous callers
+            body |= {"draft": rt.draft_info, "target": rt.target_info,
+                     "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()}}
         return JSONResponse(body, status_code=200 if not rt.not_ready else 503)
 
     @app.get("/metrics", tags=["ops"])

@@ -54,6 +54,12 @@ def api_key_id(request: Request) -> str | None:
     return request.scope.get("state", {}).get("api_key_id")
 
 
+def may_see_details(request: Request) -> bool:
+    """Whether an open route (/ready) may show its details: the API is open, or a valid key came."""
+    state = request.scope.get("state", {})
+    return not state.get("api_keys_required") or state.get("api_key_id") is not None
+
+
 class APIKeyAuth:
     """ASGI middleware: 401 unless ``Authorization: Bearer <key>`` names one of ``keys``.
 
@@ -68,7 +74,15 @@ class APIKeyAuth:
         self._open = frozenset(open_paths)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] not in ("http", "websocket") or not self._digests or scope["path"] in self._open:
+        if scope["type"] not in ("http", "websocket") or not self._digests:
+            return await self.app(scope, receive, send)
+        if scope["path"] in self._open:
+            # open to all, but a valid key may see more (/ready's details): say whether one came
+            state = scope.setdefault("state", {})
+            state["api_keys_required"] = True
+            given = _bearer(scope)
+            if given and (matched := self._match(given)) is not None:
+                state["api_key_id"] = matched
             return await self.app(scope, receive, send)
         given = _bearer(scope)
         if not given:

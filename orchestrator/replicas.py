@@ -48,6 +48,7 @@ FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURC
 # Sessions whose replicas are remembered for Release; past this the oldest are forgotten (a session
 # never released is freed by the services' idle TTL anyway).
 MAX_TRACKED_SESSIONS = 100_000
+RETIRED_GRACE_S = 60.0  # a departed replica's channel stays open this long for calls under way
 
 
 def parse_addresses(spec: str) -> list[tuple[str, int]]:
@@ -105,7 +106,7 @@ class Replicas(Generic[C]):
         self.resolve_every_s = resolve_every_s
         self.probe_every_s = probe_every_s
         self.replicas: dict[str, Replica[C]] = {}
-        self._retired: list[C] = []
+        self._retired: list[tuple[float, C]] = []  # (when, client) of replicas that left
         self._task: asyncio.Task | None = None
         self._holders: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
         # Until the first resolution: every configured entry as given.
@@ -125,7 +126,7 @@ class Replicas(Generic[C]):
         for address in list(self.replicas):
             if address not in wanted:
                 logger.info("%s replica %s left", self.service, address)
-                self._retired.append(self.replicas.pop(address).client)
+                self._retired.append((time.monotonic(), self.replicas.pop(address).client))
         for address, name in wanted.items():
             if address not in self.replicas:
                 if self._task is not None:
@@ -218,6 +219,7 @@ class Replicas(Generic[C]):
                         last_resolve = time.monotonic()
                         await self.resolve()
                     await self.probe(check, wrong)
+                    await self.close_retired()
                 except Exception:  # keep probing whatever one round met
                     logger.exception("%s replica probe failed", self.service)
                 await asyncio.sleep(self.probe_every_s)
@@ -280,6 +282,18 @@ class Replicas(Generic[C]):
             addresses.add(owner.address)
         return [self.replicas[a] for a in sorted(addresses) if a in self.replicas]
 
+    async def close_retired(self, grace_s: float = RETIRED_GRACE_S) -> None:
+        """Close the channels of replicas that left more than ``grace_s`` ago (calls already under
+        way on them had that long to end); each would otherwise keep reconnecting to a gone address."""
+        now = time.monotonic()
+        due = [c for t, c in self._retired if now - t >= grace_s]
+        self._retired = [(t, c) for t, c in self._retired if now - t < grace_s]
+        for client in due:
+            try:
+                await client.close()
+            except Exception:  # noqa: BLE001 - a channel that fails to close is gone all the same
+                logger.debug("%s: closing a departed replica's channel failed", self.service, exc_info=True)
+
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         return [{"address": r.address, "name": r.name, "up": r.up and not r.wrong_model,
@@ -292,7 +306,7 @@ class Replicas(Generic[C]):
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        for client in [r.client for r in self.replicas.values()] + self._retired:
+        for client in [r.client for r in self.replicas.values()] + [c for _, c in self._retired]:
             await close_client(client)
         self._retired = []
 

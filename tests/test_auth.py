@@ -208,6 +208,11 @@ def test_health_and_ready_stay_open(protected):
     assert client.get("/health").status_code == 200
     r = client.get("/ready")
     assert r.status_code == 503 and "unreachable" in r.json()["reason"]  # open, and honest about the services
+    # but the details (models, replica addresses) only for a caller with a valid key
+    assert set(r.json()) == {"ready", "reason", "degraded"}
+    assert set(client.get("/ready", headers={"authorization": "Bearer nope"}).json()) == {"ready", "reason", "degraded"}
+    detailed = client.get("/ready", headers={"authorization": f"Bearer {KEYS[0]}"}).json()
+    assert {"draft", "target", "replicas"} <= set(detailed) and detailed["reason"] == r.json()["reason"]
 
 
 def test_openapi_declares_the_bearer_scheme(protected):

@@ -71,7 +71,9 @@ def test_a_target_swapped_for_another_tokenizer_is_noticed(tiny_models, tmp_path
     pinned (SPECDEC_ORCHESTRATOR_TOKENIZER) refuses to serve rather than decode with the wrong
     vocabulary; without a pin it loads the new model's tokenizer and serves it."""
     import shutil
+    import time
 
+    from orchestrator.app import READY_RECHECK_S
     from specdec.models import load_hf, load_tokenizer
     from specdec.sessions import SessionStore
     from target_service.engine import TargetEngine
@@ -99,6 +101,7 @@ def test_a_target_swapped_for_another_tokenizer_is_noticed(tiny_models, tmp_path
                 assert client.get("/ready").status_code == 200
                 server.stop(0).wait()
                 server = serve(str(other))
+                time.sleep(READY_RECHECK_S)  # /ready asks the services again at most this often
                 r = client.get("/ready")
                 if pinned:
                     assert r.status_code == 503 and "does not match the target's" in r.json()["reason"]

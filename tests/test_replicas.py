@@ -246,6 +246,14 @@ def test_a_name_with_several_addresses_is_several_replicas(monkeypatch):
         await r.resolve()
         assert set(r.replicas) == {"10.0.0.1:50052", "10.0.0.3:50052", "single:7"}
         assert r.replicas["10.0.0.1:50052"].client is kept  # a replica that stays keeps its channel
+        # the departed replica's channel: open for calls under way, closed after the grace period
+        closed = []
+        for _, client in r._retired:
+            client.close = lambda c=client: asyncio.sleep(0, closed.append(c.address))
+        await r.close_retired()
+        assert closed == []
+        await r.close_retired(grace_s=0.0)
+        assert "10.0.0.2:50052" in closed and r._retired == []
         del answers["target-headless"]  # resolution fails: keep what we had
         await r.resolve()
         assert set(r.replicas) == {"10.0.0.1:50052", "10.0.0.3:50052", "single:7"}
