@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,19 +92,68 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
                 response_serializer=handler.response_serializer)
 
 
+class ReloadingCertificates:
+    """The server's certificate, key and client CA, read again when their files change: gRPC asks
+    before each new TLS handshake (at most once every ``check_every_s`` are the files looked at), so
+    a renewed certificate (cert-manager, a rotated secret) is served without a restart. A set of
+    files that cannot be read or does not parse (a rotation half written) keeps the previous one."""
+
+    def __init__(self, cert_file: Path, key_file: Path, client_ca_file: Path | None = None,
+                 check_every_s: float = 1.0) -> None:
+        self.files = [Path(cert_file), Path(key_file), *([Path(client_ca_file)] if client_ca_file else [])]
+        self.check_every_s = check_every_s
+        self._checked = time.monotonic()
+        self._stamp = self._stamps()
+        self.initial = self._config()
+        self.reloads = 0
+
+    def _stamps(self) -> tuple:
+        return tuple((st.st_mtime_ns, st.st_size, st.st_ino) for st in (f.stat() for f in self.files))
+
+    def _config(self) -> Any:
+        import ssl
+
+        # gRPC takes any bytes here and fails only at the next handshake: check that the key
+        # parses and belongs to the certificate first (OpenSSL, through Python's ssl)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.files[0], self.files[1])
+        cert, key = (f.read_bytes() for f in self.files[:2])
+        ca = self.files[2].read_bytes() if len(self.files) > 2 else None
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def __call__(self) -> Any:
+        """The fetcher gRPC calls: a new configuration when the files changed, else None (keep)."""
+        now = time.monotonic()
+        if now - self._checked < self.check_every_s:
+            return None
+        self._checked = now
+        try:
+            stamp = self._stamps()
+            if stamp == self._stamp:
+                return None
+            config = self._config()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            logger.warning("TLS files changed but cannot be read (%s); serving the previous certificate", exc)
+            return None
+        self._stamp = stamp
+        self.reloads += 1
+        logger.info("TLS certificate reloaded from %s", self.files[0])
+        return config
+
+
 def server_credentials(cert_file: Path | None, key_file: Path | None,
                        client_ca_file: Path | None = None) -> grpc.ServerCredentials | None:
-    """TLS credentials from PEM files; with ``client_ca_file`` clients must present a certificate
-    signed by it (mutual TLS). None without a certificate (plaintext)."""
+    """TLS credentials from PEM files, read again when they change (:class:`ReloadingCertificates`);
+    with ``client_ca_file`` clients must present a certificate signed by it (mutual TLS). None
+    without a certificate (plaintext)."""
     if cert_file is None and key_file is None:
         if client_ca_file is not None:
             raise ValueError("a client CA needs the server's own certificate and key (TLS) too")
         return None
     if cert_file is None or key_file is None:
         raise ValueError("TLS needs both a certificate and its private key")
-    client_ca = Path(client_ca_file).read_bytes() if client_ca_file else None
-    return grpc.ssl_server_credentials([(Path(key_file).read_bytes(), Path(cert_file).read_bytes())],
-                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
+    certificates = ReloadingCertificates(cert_file, key_file, client_ca_file)
+    return grpc.dynamic_ssl_server_credentials(certificates.initial, certificates,
+                                               require_client_authentication=client_ca_file is not None)
 
 
 def server_security(settings: ModelServiceSettings) -> dict[str, Any]:

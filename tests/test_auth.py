@@ -382,6 +382,35 @@ def test_tls_refuses_plaintext_and_unknown_servers(serve, certs):
     assert healthcheck.main([f"127.0.0.1:{port}", "--tls-ca", str(certs["ca"])]) == 0
 
 
+def test_a_renewed_certificate_is_served_without_a_restart(serve, certs, tmp_path, monkeypatch):
+    """Certificate rotation (cert-manager, a new secret): the files change under a running server,
+    and new connections get the new certificate; a half-written rotation keeps the previous one."""
+    import time
+
+    from specdec import auth
+
+    renewed = make_certs(tmp_path / "renewed")  # another CA, another server certificate
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    shutil.copy(certs["server"], cert)
+    shutil.copy(certs["server-key"], key)
+    made: list = []
+    real = auth.ReloadingCertificates
+    monkeypatch.setattr(auth, "ReloadingCertificates",
+                        lambda *a, **kw: made.append(real(*a, **{**kw, "check_every_s": 0.0})) or made[-1])
+    port = serve(credentials=server_credentials(cert, key))
+    old_ca, new_ca = ChannelSecurity.from_files(ca_file=certs["ca"]), ChannelSecurity.from_files(ca_file=renewed["ca"])
+    assert info(port, old_ca).max_context > 0
+    assert rpc_error(info, port, new_ca).code() == grpc.StatusCode.UNAVAILABLE
+    key.write_text("not a key")  # half written: the previous certificate stays
+    assert info(port, old_ca).max_context > 0
+    time.sleep(0.01)
+    shutil.copy(renewed["server"], cert)
+    shutil.copy(renewed["server-key"], key)
+    assert info(port, new_ca).max_context > 0
+    assert rpc_error(info, port, old_ca).code() == grpc.StatusCode.UNAVAILABLE
+    assert made[0].reloads == 1
+
+
 def test_mutual_tls_needs_a_client_certificate(serve, certs, monkeypatch):
     port = serve(credentials=server_credentials(certs["server"], certs["server-key"], certs["ca"]))
     assert rpc_error(info, port, ChannelSecurity.from_files(ca_file=certs["ca"])).code() == grpc.StatusCode.UNAVAILABLE
