@@ -195,6 +195,13 @@ def test_services_are_the_four_processes_and_the_pair_entries(services: dict) ->
         assert services[name]["scale"] == 1
 
 
+def test_every_process_runs_unprivileged_on_a_read_only_root(services: dict) -> None:
+    for name in PROCESS_SERVICES:
+        service = services[name]
+        assert service["read_only"] is True and service["tmpfs"] == ["/tmp"], name
+        assert service["cap_drop"] == ["ALL"] and "no-new-privileges:true" in service["security_opt"], name
+
+
 def test_orchestrator_is_given_time_to_drain(services: dict) -> None:
     from orchestrator.settings import OrchestratorSettings
 
