@@ -284,7 +284,19 @@ def test_pack_weights_false_keeps_the_row_major_kernels(tiny_models):
     engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0), pack_weights=False)
     fast = engine.lm.fast_linears
     assert "packed" not in fast.kernels and not fast._packed
-    assert engine.verify("s", [1, 2, 3], [4, 5]).num_accepted in range(3)
+    _verifies_like_plain_greedy(engine, tiny_models["llama-target"])
+
+
+def _verifies_like_plain_greedy(engine: TargetEngine, path: str) -> None:
+    """A verify whose draft is the model's own greedy continuation accepts it whole and adds the
+    next greedy token; a wrong draft token is replaced by the greedy one (reference: a separate,
+    unmodified copy of the model, decoding without a cache)."""
+    ref = greedy_reference(load_hf(path).model, [1, 2, 3], 3)
+    v = engine.verify("s", [1, 2, 3], ref[:2])
+    assert (v.num_accepted, v.next_token) == (2, ref[2])
+    wrong = (ref[0] + 1) % 20 + 3
+    v = engine.verify("t", [1, 2, 3], [wrong, ref[1]])
+    assert (v.num_accepted, v.next_token) == (0, ref[0])
 
 
 def test_packed_linears_sum_a_row_alike_whatever_rows_surround_it(tiny_models):
@@ -319,7 +331,7 @@ def test_a_build_whose_prepack_fails_keeps_the_row_major_kernels(monkeypatch, ti
     assert engine_module._onednn_pack() is None
     engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
     assert engine.lm.fast_linears.kernel == "onednn" and engine.lm.fast_linears.released == 0
-    assert engine.verify("s", [1, 2, 3], [4, 5]).num_accepted in range(3)
+    _verifies_like_plain_greedy(engine, tiny_models["llama-target"])
 
 
 def test_no_onednn_kernel_means_mkl(monkeypatch):
@@ -332,3 +344,19 @@ def test_no_onednn_kernel_means_mkl(monkeypatch):
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
     assert engine._onednn_linear() is None
+    assert engine._onednn_pack() is None  # packing needs the oneDNN kernel too
+
+
+def test_a_build_without_onednn_runs_mkl_and_verifies_alike(monkeypatch, tiny_models):
+    """Without oneDNN every linear runs on MKL (F.linear) with the row-major weights kept, and the
+    engine still verifies exactly as plain greedy decoding."""
+    import torch
+
+    def broken(*args):
+        raise RuntimeError("no oneDNN kernel in this build")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
+    fast = engine.lm.fast_linears
+    assert (fast.kernel, fast.kernels, fast.released) == ("mkl", ("mkl",), 0)
+    _verifies_like_plain_greedy(engine, tiny_models["llama-target"])

@@ -233,10 +233,12 @@ def test_server_after_generations(tiny_stack):
     for name in ("draft", "target"):
         service = body["services"][name]
         assert service["up"] is True, service
-        assert service["sessions"] >= 0 and service["kv_budget_bytes"] > 0 and service["kv_bytes"] >= 0
+        # the requests above left their sessions released: what the services report now is what they hold
+        assert isinstance(service["sessions"], int) and service["kv_budget_bytes"] > 0
+        assert (service["sessions"] == 0) == (service["kv_bytes"] == 0), service
         s = service["scheduler"]
         # the services may or may not fill the scheduler counters yet: check the shape, not the values
-        assert isinstance(s["reported"], bool) and s["queued"] >= 0 and s["max_queued"] >= 0
+        assert isinstance(s["reported"], bool) and s["queued"] >= 0 and (s["max_queued"] > 0) == s["reported"]
         assert set(s) >= {"forwards_per_second", "mean_sessions_per_forward", "mean_rows_per_forward", "busy_share",
                           "mean_queue_wait_ms", "totals"}
         if s["reported"] and s["totals"]["forwards"]:

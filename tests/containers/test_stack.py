@@ -277,7 +277,7 @@ def test_killed_target_restarts_and_requests_succeed_again(stack: Stack, client:
         time.sleep(1)
     assert statuses[-1] == 200, f"no success within 120 s of the target's return: {statuses[-5:]}"
     assert all(generate(client).status_code == 200 for _ in range(3))
-    assert stack.health("orchestrator") == "healthy" or stack.wait_healthy("orchestrator", 120) >= 0
+    stack.wait_healthy("orchestrator", 120)  # raises with the logs when it does not get there
 
 
 # -- the gpt2 pair, resolved only ------------------------------------------------------------------
