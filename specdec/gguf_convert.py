@@ -105,7 +105,7 @@ def source_folder(model: str, cache_dir: Path) -> Path:
         return Path(snapshot_download(model, allow_patterns=list(SOURCE_PATTERNS)))
     except Exception as exc:  # noqa: BLE001 - offline, unknown id, gated, network: all "not found here"
         raise NotFound(
-            f"cannot find model {model!r} to convert for llama.cpp: {exc}. Give a local checkpoint folder, a "
+            f"cannot find model {model!r} to convert for llama.cpp: {str(exc).rstrip('. ')}. Give a local checkpoint folder, a "
             "Hugging Face id (downloaded once; offline it must already be in HF_HOME), a .gguf file or 'embedded'."
         ) from exc
 
