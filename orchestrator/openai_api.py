@@ -12,9 +12,19 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 
-from orchestrator.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from orchestrator.schemas import ChatCompletionRequest, CompletionRequest
+from orchestrator.service import (
+    chat_prompt_ids,
+    client_key,
+    collect,
+    encode_prompt,
+    prepare,
+    seed_of,
+    start_stream,
+    tokenize,
+)
 from orchestrator.streams import BoundedEventSource
 from specdec import params as sm
 
@@ -30,53 +40,6 @@ def _usage(result: dict[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def special_strings(tok: Any) -> list[str]:
-    """The texts a tokenizer turns into special tokens (``<|im_start|>``, ``<|endoftext|>``, …)."""
-    added = getattr(tok, "added_tokens_decoder", {}) or {}
-    return sorted({*tok.all_special_tokens, *(a.content for a in added.values() if a.special)} - {""})
-
-
-def chat_prompt(rt: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the conversation through the tokenizer's chat template (a plain transcript
-    for tokenizers without one, such as GPT-2's).
-
-    What users write is text, never control tokens: ``<|im_start|>system`` typed into a message
-    stays those characters, so no one forges a turn of another role. Only the template's own
-    markup becomes special tokens: a message holding such text is rendered with a placeholder in
-    its place, and its content tokenised apart with special tokens split into plain text."""
-    tok = rt.tokenizer
-    if not getattr(tok, "chat_template", None):
-        transcript = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
-        return tok(transcript, split_special_tokens=True).input_ids
-    specials = special_strings(tok)
-    if not any(s in m["content"] for m in messages for s in specials):
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False).input_ids
-    marks = [f"\ue000specdec-content-{i}\ue001" for i in range(len(messages))]
-    text = tok.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
-                                   add_generation_prompt=True, tokenize=False)
-    if any(text.count(mark) != 1 for mark in marks):
-        raise ValueError("this chat template rewrites message content, so content holding special-token text "
-                         f"({', '.join(specials[:3])}, …) cannot be kept as text; remove it from the messages")
-    ids: list[int] = []
-    for m, mark in zip(messages, marks, strict=True):
-        before, text = text.split(mark)
-        ids += tok(before, add_special_tokens=False).input_ids
-        ids += tok(m["content"], add_special_tokens=False, split_special_tokens=True).input_ids
-    return ids + tok(text, add_special_tokens=False).input_ids
-
-
-def chat_prompt_ids(rt: Any, messages: list[ChatMessage]) -> list[int]:
-    """Validated chat messages -> prompt token ids (HTTP 400 when the template rejects them)."""
-    from orchestrator.app import require_ready
-
-    require_ready(rt)
-    try:
-        return chat_prompt(rt, [{"role": m.role, "content": m.text()} for m in messages])
-    except Exception as exc:  # a template may reject a conversation shape (e.g. roles out of order)
-        raise HTTPException(400, detail=f"messages: the chat template rejected them: {exc}") from exc
-
-
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
     """The one model this deployment serves (the target; the draft only speeds it up)."""
@@ -87,10 +50,8 @@ async def models(request: Request) -> dict[str, Any]:
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion."""
-    from orchestrator.app import client_key, encode_prompt, prepare, tokenize
-
     rt = request.app.state.rt
-    sampling = sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed))
+    sampling = sm.Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed))
     prompt_ids = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt)
     run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, False, sampling, client_key(request))
     return await _respond(run, request, body.stream, chat=False)
@@ -99,25 +60,15 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion (the prompt is built with the tokenizer's chat template)."""
-    from orchestrator.app import client_key, prepare, tokenize
-
     rt = request.app.state.rt
     prompt_ids = await tokenize(rt, client_key(request), chat_prompt_ids, rt, body.messages)
-    sampling = sm.Sampling(body.temperature, body.top_p, body.top_k, _seed(body.seed))
+    sampling = sm.Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed))
     max_tokens = body.max_completion_tokens or body.max_tokens
     run = prepare(rt, body, prompt_ids, max_tokens, body.stop, False, sampling, client_key(request))
     return await _respond(run, request, body.stream, chat=True)
 
 
-def _seed(seed: int | None) -> int:
-    from orchestrator.app import _seed as seed_of
-
-    return seed_of(seed)
-
-
 async def _respond(run: Any, request: Request, stream: bool, chat: bool):
-    from orchestrator.app import collect, start_stream
-
     rt = run.rt
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())

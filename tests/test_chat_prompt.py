@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.openai_api import chat_prompt
+from orchestrator.service import chat_prompt
 from specdec.models import load_tokenizer
 
 

@@ -367,8 +367,8 @@ async def test_unencodable_or_out_of_range_input_is_422(app, path, raw, field):
 
 
 def _runtime(max_concurrent: int = 2, per_key: int = 1):
-    from orchestrator.app import Runtime
     from orchestrator.loop import DraftHealth, ModelLimits
+    from orchestrator.runtime import Runtime
     from orchestrator.settings import OrchestratorSettings
 
     settings = OrchestratorSettings(max_concurrent_requests=max_concurrent, max_concurrent_requests_per_key=per_key)
@@ -381,8 +381,8 @@ def _runtime(max_concurrent: int = 2, per_key: int = 1):
 def test_admission_limits_answer_429_with_retry_after():
     from fastapi import HTTPException
 
-    from orchestrator.app import prepare
     from orchestrator.schemas import GenerateRequest
+    from orchestrator.service import prepare
 
     rt = _runtime(max_concurrent=2, per_key=1)
     body = GenerateRequest(prompt="x")
@@ -477,7 +477,7 @@ async def test_a_draft_the_target_refuses_costs_a_retry_not_the_request(engine):
 
 
 async def test_a_draft_with_a_larger_vocabulary_is_refused():
-    from orchestrator.app import connect
+    from orchestrator.runtime import connect
 
     class Info:
         def __init__(self, vocab: int) -> None:

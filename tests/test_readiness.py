@@ -73,7 +73,7 @@ def test_a_target_swapped_for_another_tokenizer_is_noticed(tiny_models, tmp_path
     import shutil
     import time
 
-    from orchestrator.app import READY_RECHECK_S
+    from orchestrator.runtime import READY_RECHECK_S
     from specdec.models import load_hf, load_tokenizer
     from specdec.sessions import SessionStore
     from target_service.engine import TargetEngine

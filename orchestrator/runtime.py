@@ -1,0 +1,145 @@
+"""The orchestrator's process-wide state (:class:`Runtime`) and its connection to the model
+services: Info read, tokenizer loaded and checked against the target, readiness set, again and
+again while the process runs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from orchestrator.controller import CostModel
+from orchestrator.loop import DraftHealth, ModelLimits
+from orchestrator.replicas import DraftPool, TargetPool
+from orchestrator.settings import OrchestratorSettings
+from specdec import runtime
+
+logger = logging.getLogger(__name__)
+
+READY_RECHECK_S = 1.0  # /ready asks the services again at most this often
+
+
+@dataclass
+class Runtime:
+    """Process-wide state of the orchestrator."""
+
+    settings: OrchestratorSettings
+    draft: DraftPool
+    target: TargetPool
+    draft_health: DraftHealth
+    costs: CostModel = field(default_factory=CostModel)
+    tokenizer: Any = None
+    limits: ModelLimits | None = None
+    target_info: dict[str, Any] = field(default_factory=dict)
+    draft_info: dict[str, Any] = field(default_factory=dict)
+    not_ready: str = "connecting to the model services"
+    # why requests decode without drafts while the orchestrator is otherwise ready ("" when not)
+    degraded: str = ""
+    active: int = 0
+    active_per_key: dict[str, int] = field(default_factory=dict)
+    # Tokenising and chat templates run here, off the event loop (a 1 MiB prompt takes long enough
+    # to stall every stream), one at a time: a fast tokenizer's settings are mutated by each call,
+    # so concurrent calls on one tokenizer can fail ("Already borrowed").
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
+    draining_since: float | None = None  # monotonic time of the SIGTERM that started the drain
+    tokenizer_fingerprint: str = ""  # of ``tokenizer``: compared with the target's on every check
+    checked_at: float = -float("inf")  # monotonic time of the last connect()
+
+    def drain(self) -> None:
+        """Stop admitting; generations in progress get ``drain_timeout_s`` to finish (SIGTERM)."""
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+            logger.info("draining: no new requests; %d in progress get %.0f s to finish",
+                        self.active, self.settings.drain_timeout_s)
+
+    def drain_expired(self) -> bool:
+        return self.draining_since is not None and time.monotonic() - self.draining_since >= self.settings.drain_timeout_s
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model_name or self.target_info.get("model_id", "specdec")
+
+
+def _info_dict(info: Any) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+async def connect(rt: Runtime) -> None:
+    """Read both services' Info, load the tokenizer, check they are compatible; set readiness."""
+    rt.checked_at = time.monotonic()
+    try:
+        target = await rt.target.info()
+    except grpc.aio.AioRpcError as exc:
+        rt.not_ready = f"target service at {rt.settings.target_address} unreachable: {exc.code().name}"
+        return
+    rt.target_info = _info_dict(target)
+    try:
+        draft = await rt.draft.info()
+        rt.draft_info = _info_dict(draft)
+    except grpc.aio.AioRpcError as exc:
+        # requests still decode (target only, the same output): ready, but degraded
+        rt.degraded = f"draft service at {rt.settings.draft_address} unreachable: {exc.code().name}; decoding without drafts"
+        rt.draft_info = {}
+        draft = None
+    if draft is not None and draft.tokenizer_fingerprint and draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        rt.not_ready = (
+            f"draft and target tokenizers differ (draft {draft.model_id}: {draft.tokenizer_fingerprint[:12]}, "
+            f"target {target.model_id}: {target.tokenizer_fingerprint[:12]}); pair models that share a tokenizer"
+        )
+        return
+    if draft is not None and draft.tokenizer_fingerprint and draft.vocab_size > target.vocab_size:
+        # Same tokenizer, but a larger embedding table could let the draft propose ids the target
+        # cannot take (each such step would be verified again without its draft).
+        rt.not_ready = (
+            f"the draft's vocabulary ({draft.model_id}: {draft.vocab_size} ids) is larger than the target's "
+            f"({target.model_id}: {target.vocab_size} ids); pair a draft whose ids the target accepts"
+        )
+        return
+    if rt.tokenizer is not None and rt.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        # the target now serves another model (a rollout): text must not be decoded with the old vocabulary
+        logger.warning("the target's tokenizer changed (%s): loading it again", target.model_id)
+        rt.tokenizer, rt.tokenizer_fingerprint, rt.limits = None, "", None
+    if rt.tokenizer is None:
+        from specdec.models import load_tokenizer, tokenizer_fingerprint
+
+        spec = rt.settings.tokenizer or target.model_id
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, spec)
+        except Exception as exc:
+            rt.not_ready = f"cannot load tokenizer {spec!r}: {exc}"
+            return
+        fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer)
+        if fingerprint != target.tokenizer_fingerprint:
+            rt.not_ready = f"tokenizer {spec!r} does not match the target's ({target.model_id})"
+            return
+        rt.tokenizer, rt.tokenizer_fingerprint = tokenizer, fingerprint
+    own = runtime.host_id(), runtime.cpu_cores()
+    rt.costs.set_hosts((target.host_id, target.cpu_cores) if target.host_id else None,
+                       (draft.host_id, draft.cpu_cores) if draft is not None and draft.host_id else None, own)
+    rt.limits = ModelLimits(
+        target_max_context=target.max_context,
+        target_max_draft=target.max_draft_tokens,
+        draft_max_context=draft.max_context if draft is not None else 0,
+        draft_max_draft=draft.max_draft_tokens if draft is not None else 0,
+        eos_token_ids=set(target.eos_token_ids),
+        draft_shares_host=draft is not None and bool(target.host_id) and draft.host_id == target.host_id,
+    )
+    rt.not_ready = ""
+    if draft is not None:
+        rt.degraded = ""
+
+
+async def keep_connected(rt: Runtime) -> None:
+    while True:
+        await connect(rt)
+        # a missing draft is looked for as often as a missing target: requests speculate again
+        # within 2 s of the draft coming back
+        await asyncio.sleep(2.0 if rt.not_ready or rt.degraded else 15.0)

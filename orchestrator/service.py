@@ -1,0 +1,275 @@
+"""Serving one generation request, whatever route it came by (REST in orchestrator.app, OpenAI in
+orchestrator.openai_api): readiness and admission checks, tokenising off the event loop, chat
+templates, the request's :class:`Run` (its slot), and its events from the loop as HTTP errors a
+client can act on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import HTTPException, Request
+
+from orchestrator.controller import make_controller
+from orchestrator.loop import (
+    BadRequest,
+    GenerationParams,
+    GenerationStats,
+    StepEvent,
+    TargetBusy,
+    TargetUnavailable,
+    generate,
+)
+from orchestrator.runtime import Runtime
+from orchestrator.schemas import ChatMessage, GenerateRequest, SpeculationParams
+from specdec import params as sm
+
+
+@dataclass
+class Run:
+    """A validated generation, ready to start; it holds a concurrency slot until :meth:`release`."""
+
+    rt: Runtime
+    params: GenerationParams
+    controller_name: str
+    k: int
+    max_k: int
+    prompt_tokens: int
+    key: str | None = None
+    released: bool = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.rt.active -= 1
+        self.rt.costs.streams = max(self.rt.active, 1)
+        if self.key is not None:
+            left = self.rt.active_per_key.get(self.key, 1) - 1
+            if left > 0:
+                self.rt.active_per_key[self.key] = left
+            else:
+                self.rt.active_per_key.pop(self.key, None)
+
+
+# How long a client told 429 should wait before retrying: about one short generation.
+RETRY_AFTER_S = 1
+
+
+def too_busy(detail: str) -> HTTPException:
+    return HTTPException(429, detail=detail, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def client_key(request: Request | None) -> str | None:
+    """Identity of the API key that authenticated the request (None without API keys)."""
+    return getattr(request.state, "api_key_id", None) if request is not None else None
+
+
+def seed_of(seed: int | None) -> int:
+    # an unseeded sampling request still needs a seed for the keyed random streams
+    return seed if seed is not None else time.time_ns() & 0x7FFFFFFFFFFFFFFF
+
+
+def require_ready(rt: Runtime) -> None:
+    if rt.draining_since is not None:
+        raise HTTPException(503, detail="the server is shutting down; retry on another replica",
+                            headers={"Retry-After": "1"})
+    if rt.tokenizer is None or rt.limits is None:
+        raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
+    if rt.not_ready.startswith(("draft and target tokenizers differ", "the draft's vocabulary")):
+        raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
+
+
+async def tokenize(rt: Runtime, key: str | None, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    """``fn(*args)`` (prompt -> token ids) on :attr:`Runtime.tokenizer_thread`, after the admission
+    checks that need no tokens: a request that would get 429 is refused before its prompt costs anything."""
+    require_ready(rt)
+    check_admission(rt, key)
+    return await asyncio.get_running_loop().run_in_executor(rt.tokenizer_thread, fn, *args)
+
+
+def check_admission(rt: Runtime, key: str | None) -> None:
+    """429 when every slot, or every slot of ``key``, is taken (takes none)."""
+    s = rt.settings
+    if rt.active >= s.max_concurrent_requests:
+        raise too_busy(f"too many concurrent requests (limit {s.max_concurrent_requests}); retry shortly")
+    if key is not None and rt.active_per_key.get(key, 0) >= s.max_concurrent_requests_per_key:
+        raise too_busy(f"too many concurrent requests for this API key (limit {s.max_concurrent_requests_per_key}); "
+                       "retry shortly")
+
+
+def encode_prompt(rt: Runtime, prompt: str) -> list[int]:
+    require_ready(rt)
+    try:
+        return rt.tokenizer(prompt).input_ids
+    except Exception as exc:  # text the tokenizer cannot encode is the client's problem, not ours
+        raise HTTPException(400, detail=f"prompt: the tokenizer cannot encode it: {exc}") from exc
+
+
+def request_prompt(rt: Runtime, body: GenerateRequest) -> list[int]:
+    """Token ids of a /v1/generate body: its prompt as is, or its messages through the chat template."""
+    if body.messages is None:
+        return encode_prompt(rt, body.prompt)
+    return chat_prompt_ids(rt, body.messages)
+
+
+def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tokens: int | None,
+            stop: list[str] | str | None, ignore_eos: bool, sampling: sm.Sampling, key: str | None = None) -> Run:
+    require_ready(rt)
+    s = rt.settings
+    limits = rt.limits
+    if not prompt_ids:
+        raise HTTPException(400, detail="prompt: encodes to no tokens")
+    if len(prompt_ids) >= limits.target_max_context:
+        raise HTTPException(
+            400, detail=f"prompt: {len(prompt_ids)} tokens, over the model's context of {limits.target_max_context - 1}"
+        )
+    max_tokens = max_tokens if max_tokens is not None else s.default_max_tokens
+    if max_tokens > s.max_tokens_limit:
+        raise HTTPException(422, detail=f"max_tokens: {max_tokens} is over the limit of {s.max_tokens_limit}")
+    name = spec.controller or s.default_controller
+    if name == "cost" and not sampling.greedy:
+        # Sampled output depends on the k schedule, and the cost controller's schedule depends on
+        # timings; the acceptance rule depends only on the (seeded) outcomes, so a seeded sampling
+        # request stays reproducible.
+        name = "acceptance"
+    k = spec.k if spec.k is not None else s.default_k
+    max_k = spec.max_k if spec.max_k is not None else max(s.default_max_k, k)
+    if k > max_k:
+        raise HTTPException(422, detail=f"k: {k} is over max_k {max_k}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    params = GenerationParams(
+        prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, stop=stops, mode=spec.mode,
+        confidence_threshold=(spec.confidence_threshold if spec.confidence_threshold is not None
+                              else s.default_confidence_threshold),
+        ignore_eos=ignore_eos,
+        overlap=spec.overlap if spec.overlap is not None else {"on": True, "off": False, "auto": None}[s.default_overlap],
+    )
+    # Admission last (again: slots may have filled while the prompt was tokenised): everything
+    # above only reads, so a rejected request holds no slot.
+    check_admission(rt, key)
+    rt.active += 1
+    rt.costs.streams = rt.active
+    if key is not None:
+        rt.active_per_key[key] = rt.active_per_key.get(key, 0) + 1
+    return Run(rt, params, name, k, max_k, len(prompt_ids), key)
+
+
+async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """("step", StepEvent dict) per iteration, then ("done", result); errors as HTTPException."""
+    rt = run.rt
+    controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs)
+    token_ids: list[int] = []
+    tokenizer = rt.tokenizer  # the one this request was tokenised with, whatever a re-check loads meanwhile
+
+    async def stop() -> bool:
+        """The client went away, or the drain's time is up."""
+        return rt.drain_expired() or (request is not None and await request.is_disconnected())
+
+    try:
+        async for item in generate(run.params, rt.draft, rt.target, controller, rt.limits, rt.draft_health,
+                                   lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stop,
+                                   in_progress=lambda: rt.active):
+            if isinstance(item, StepEvent):
+                token_ids.extend(item.tokens)
+                yield "step", item.to_dict()
+            else:
+                finish, text, stats = item
+                if finish == "cancelled" and rt.drain_expired():
+                    raise HTTPException(503, detail=f"the server shut down before the answer was complete "
+                                                    f"({len(token_ids)} tokens generated); retry the request")
+                yield "done", result_dict(finish, text, token_ids, stats, run)
+    except TargetBusy as exc:
+        raise too_busy(str(exc)) from exc
+    except TargetUnavailable as exc:
+        raise HTTPException(503, detail=str(exc)) from exc
+    except BadRequest as exc:
+        raise HTTPException(400, detail=str(exc)) from exc
+    finally:
+        run.release()
+
+
+def result_dict(finish: str, text: str, token_ids: list[int], stats: GenerationStats, run: Run) -> dict[str, Any]:
+    return {"text": text, "token_ids": token_ids, "finish_reason": finish, "prompt_tokens": run.prompt_tokens,
+            "mode": run.params.mode, "controller": run.controller_name, "stats": stats.to_dict()}
+
+
+async def collect(run: Run, request: Request | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    steps, result = [], {}
+    async for kind, payload in events(run, request):
+        if kind == "step":
+            steps.append(payload)
+        else:
+            result = payload
+    return steps, result
+
+
+async def start_stream(run: Run, request: Request) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """Run the first step before the response starts, so a target that is down still gets a
+    proper 503 instead of an event stream; later failures become an `error` event."""
+    gen = events(run, request)
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:  # pragma: no cover - a generation always yields at least "done"
+        first = None
+
+    async def rest() -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        try:
+            if first is not None:
+                yield first
+            async for item in gen:
+                yield item
+        except HTTPException as exc:
+            yield "error", {"status": exc.status_code, "detail": exc.detail}
+        finally:
+            await gen.aclose()
+
+    return rest()
+
+
+def special_strings(tok: Any) -> list[str]:
+    """The texts a tokenizer turns into special tokens (``<|im_start|>``, ``<|endoftext|>``, …)."""
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    return sorted({*tok.all_special_tokens, *(a.content for a in added.values() if a.special)} - {""})
+
+
+def chat_prompt(rt: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of the conversation through the tokenizer's chat template (a plain transcript
+    for tokenizers without one, such as GPT-2's).
+
+    What users write is text, never control tokens: ``<|im_start|>system`` typed into a message
+    stays those characters, so no one forges a turn of another role. Only the template's own
+    markup becomes special tokens: a message holding such text is rendered with a placeholder in
+    its place, and its content tokenised apart with special tokens split into plain text."""
+    tok = rt.tokenizer
+    if not getattr(tok, "chat_template", None):
+        transcript = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+        return tok(transcript, split_special_tokens=True).input_ids
+    specials = special_strings(tok)
+    if not any(s in m["content"] for m in messages for s in specials):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False).input_ids
+    marks = [f"\ue000specdec-content-{i}\ue001" for i in range(len(messages))]
+    text = tok.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
+                                   add_generation_prompt=True, tokenize=False)
+    if any(text.count(mark) != 1 for mark in marks):
+        raise ValueError("this chat template rewrites message content, so content holding special-token text "
+                         f"({', '.join(specials[:3])}, …) cannot be kept as text; remove it from the messages")
+    ids: list[int] = []
+    for m, mark in zip(messages, marks, strict=True):
+        before, text = text.split(mark)
+        ids += tok(before, add_special_tokens=False).input_ids
+        ids += tok(m["content"], add_special_tokens=False, split_special_tokens=True).input_ids
+    return ids + tok(text, add_special_tokens=False).input_ids
+
+
+def chat_prompt_ids(rt: Any, messages: list[ChatMessage]) -> list[int]:
+    """Validated chat messages -> prompt token ids (HTTP 400 when the template rejects them)."""
+    require_ready(rt)
+    try:
+        return chat_prompt(rt, [{"role": m.role, "content": m.text()} for m in messages])
+    except Exception as exc:  # a template may reject a conversation shape (e.g. roles out of order)
+        raise HTTPException(400, detail=f"messages: the chat template rejected them: {exc}") from exc
