@@ -153,10 +153,12 @@ def add_api_key_auth(app: FastAPI, settings: OrchestratorSettings) -> None:
     app.openapi = openapi
 
 
-def grpc_security(settings: OrchestratorSettings) -> ChannelSecurity:
-    """Token and TLS files of the orchestrator's channels to both model services."""
+def grpc_security(settings: OrchestratorSettings, service: str | None = None) -> ChannelSecurity:
+    """Token and TLS files of the orchestrator's channels to a model service (``service``: "draft"
+    or "target", whose own expected certificate name, when set, wins over the shared one)."""
+    own = getattr(settings, f"{service}_tls_server_name", None) if service else None
     return ChannelSecurity.from_files(
         token=settings.grpc_token, token_file=settings.grpc_token_file, ca_file=settings.grpc_tls_ca_file,
         cert_file=settings.grpc_tls_cert_file, key_file=settings.grpc_tls_key_file,
-        server_name=settings.grpc_tls_server_name,
+        server_name=own or settings.grpc_tls_server_name,
     )

@@ -103,6 +103,12 @@ class OrchestratorSettings(BaseSettings):
     grpc_tls_server_name: str | None = Field(
         None, description="Name to expect in the services' certificates instead of the host of their address."
     )
+    draft_tls_server_name: str | None = Field(
+        None, description="Name to expect in the draft service's certificate; wins over grpc_tls_server_name."
+    )
+    target_tls_server_name: str | None = Field(
+        None, description="Name to expect in the target service's certificate; wins over grpc_tls_server_name."
+    )
 
     @model_validator(mode="after")
     def _check_security(self):

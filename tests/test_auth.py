@@ -423,6 +423,21 @@ def test_mutual_tls_needs_a_client_certificate(serve, certs, monkeypatch):
     assert healthcheck.main([f"127.0.0.1:{port}"]) == 0
 
 
+def test_each_service_may_have_its_own_certificate_name(serve, certs):
+    """One shared name for both services' certificates, or each its own (draft and target behind
+    different names): a service's own name wins, and TLS checks it."""
+    from orchestrator.auth import grpc_security
+
+    settings = OrchestratorSettings(grpc_tls_ca_file=certs["ca"], grpc_tls_server_name="shared.example",
+                                    target_tls_server_name="localhost")
+    assert grpc_security(settings, "draft").server_name == "shared.example"
+    assert grpc_security(settings, "target").server_name == "localhost"
+    assert grpc_security(settings).server_name == "shared.example"
+    port = serve(credentials=server_credentials(certs["server"], certs["server-key"]))
+    assert info(port, grpc_security(settings, "target")).max_context > 0  # the certificate names localhost
+    assert rpc_error(info, port, grpc_security(settings, "draft")).code() == grpc.StatusCode.UNAVAILABLE
+
+
 def test_server_security_from_settings(serve, certs, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
