@@ -502,3 +502,31 @@ def test_http_health_nothing_listening() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     assert healthcheck.main([f"http://127.0.0.1:{port}/ready", "--timeout", "0.5"]) == 1
+
+
+def test_the_no_deps_llama_wheel_has_its_requirements_among_ours() -> None:
+    """scripts/install_llamacpp.sh installs llama-cpp-python with --no-deps, so what it imports must
+    come with the project's own dependencies (the image installs exactly those): each of its
+    requirements is one of them or required by one of them."""
+    import importlib.metadata as md
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    def name(req: str) -> str:
+        return Requirement(req).name.lower().replace("_", "-")
+
+    ours = [name(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    closure, todo = set(), list(ours)
+    while todo:
+        pkg = todo.pop()
+        if pkg in closure:
+            continue
+        closure.add(pkg)
+        try:
+            reqs = md.requires(pkg) or []
+        except md.PackageNotFoundError:
+            continue
+        todo += [name(r) for r in reqs if "extra ==" not in r]
+    needed = {name(r) for r in md.requires("llama_cpp_python") or [] if "extra ==" not in r}
+    assert needed and needed <= closure, needed - closure
