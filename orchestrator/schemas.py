@@ -116,6 +116,35 @@ class Step(BaseModel):
     predrafted: bool = Field(False, description="The draft was made while the previous step was verified (overlap).")
 
 
+class GenerationStatsOut(BaseModel):
+    """What one generation cost and gained (``orchestrator.loop.GenerationStats.to_dict``; a test keeps
+    the two equal, so a renamed figure fails there instead of in the dashboard or the benchmark)."""
+
+    tokens: int = Field(description="Tokens generated.")
+    iterations: int = Field(description="Loop steps: one target pass each.")
+    draft_tokens: int = Field(description="Draft tokens proposed.")
+    accepted_tokens: int = Field(description="Draft tokens the target accepted.")
+    acceptance_rate: float = Field(description="accepted_tokens / draft_tokens (0 without drafts).")
+    mean_accepted_per_iteration: float
+    mean_tokens_per_iteration: float
+    tokens_per_second: float
+    elapsed_ms: float = Field(description="Wall time of the whole generation.")
+    first_token_ms: float = Field(description="Wall time until the first step's tokens.")
+    draft_ms: float = Field(description="Time the stream waited for drafts (Propose wall time).")
+    verify_ms: float = Field(description="Wall time of Verify calls.")
+    draft_compute_ms: float = Field(description="The draft service's compute for this stream.")
+    verify_compute_ms: float = Field(description="The target service's compute for this stream.")
+    rpc_overhead_ms: float = Field(description="RPC wall time not spent computing: round trips, queueing, (de)serialising.")
+    overhead_ms: float = Field(description="Loop time outside both RPCs (orchestrator bookkeeping).")
+    draft_ms_per_iteration: float
+    verify_ms_per_iteration: float
+    overhead_ms_per_iteration: float
+    draft_fallbacks: int = Field(description="Steps run without a draft because the draft failed.")
+    predrafted_iterations: int = Field(description="Steps whose draft was drafted during the previous verify (overlapped).")
+    predrafts_dropped: int = Field(description="Pre-drafts cancelled or unusable.")
+    draft_catch_ups: int = Field(description="Background Proposes that brought the draft's cache up to date.")
+
+
 class GenerateResponse(BaseModel):
     text: str
     token_ids: list[int]
@@ -124,7 +153,7 @@ class GenerateResponse(BaseModel):
     mode: str
     controller: str
     steps: list[Step]
-    stats: dict[str, Any]
+    stats: GenerationStatsOut
 
 
 # ---- OpenAI-compatible bodies (the fields the official client sends) --------------------------
