@@ -89,8 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for a in args.acceptances:
         if not 0 <= a < 1:
             p.error(f"acceptance {a} must be in [0, 1)")
-    if args.max_k < 1:
-        p.error("--max-k must be at least 1")
+    if not 1 <= args.max_k <= 31:
+        p.error("--max-k must be 1 to 31 (the target engine verifies up to 32 draft tokens)")
     return args
 
 
@@ -99,25 +99,13 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 
 def target_costs(target: str, rows: list[int], context: int, repeats: int) -> dict[int, float]:
-    """Median ms of one target pass of q new rows (1: a plain step) after ``context`` cached tokens."""
-    from specdec.models import load_hf
-    from specdec.sessions import SessionStore
-    from specdec.settings import default_cache_dir
-    from target_service.engine import TargetEngine
+    """Median ms of one target pass of q new rows (1: a plain step) after ``context`` cached tokens:
+    ``evaluation.batchcost``'s measurement for one session on specdec's runner."""
+    from evaluation.batchcost import target_costs as batch_costs
 
-    engine = TargetEngine(load_hf(target, "float32", "cpu", default_cache_dir()), SessionStore(8, 4 << 30, 0),
-                          max_draft_tokens=max(rows))
-    rng = random.Random(0)
-    seq = _ids(rng, context)
-    engine.verify("t", seq)
-    times: dict[int, list[float]] = {q: [] for q in rows}
-    for _ in range(repeats):
-        for q in rows:  # interleaved, so drift of the machine hits each alike
-            job = engine.prepare("t", seq + _ids(rng, 1), _ids(rng, q - 1))
-            t = time.perf_counter()
-            engine.step([job])
-            times[q].append((time.perf_counter() - t) * 1e3)
-    return {q: statistics.median(v) for q, v in times.items()}
+    costs = batch_costs(argparse.Namespace(target=target, rows=rows, batches=[1], context=context, repeats=repeats,
+                                           kernels=["runner"]))
+    return {q: costs[("runner", 1, q)] for q in rows}
 
 
 def make_proposer(spec: DraftSpec, target: str, max_draft: int):
@@ -175,7 +163,8 @@ def projected_speedup(verify_ms: dict[int, float], draft_token_ms: float, accept
     return best, best_k
 
 
-def render(args: argparse.Namespace, verify_ms: dict[int, float], drafts: dict[str, float]) -> str:
+def render(args: argparse.Namespace, verify_ms: dict[int, float], drafts: dict[str, float],
+           projection: dict[str, dict[float, tuple[float, int]]]) -> str:
     plain = verify_ms[1]
     lines = ["Target passes (ms):", "",
              "| rows | " + " | ".join(str(q) for q in verify_ms) + " |", "|---|" + "---:|" * len(verify_ms),
@@ -184,10 +173,8 @@ def render(args: argparse.Namespace, verify_ms: dict[int, float], drafts: dict[s
     lines += ["Projected speedup over plain decoding (best k), by per-token acceptance a:", "",
               "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for label, ms in drafts.items():
-        cells = [f"`{label}`", report.fmt(ms), f"{ms / plain:.2f}"]
-        for a in args.acceptances:
-            s, k = projected_speedup(verify_ms, ms, a, args.max_k)
-            cells.append(f"{s:.2f}× (k={k})")
+        cells = [f"`{label}`", report.fmt(ms), f"{ms / plain:.2f}",
+                 *(f"{s:.2f}× (k={k})" for s, k in projection[label].values())]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -205,17 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("target: plain step %.1f ms, %d rows %.1f ms", verify_ms[1], rows[-1], verify_ms[rows[-1]])
     drafts: dict[str, float] = {}
     for spec in args.drafts:
-        model = resolve_target(spec.model) if spec.model.startswith("random:") else spec.model
-        proposer = make_proposer(DraftSpec(spec.label, model, spec.backend, spec.quant), target, args.repeats + 4)
+        proposer = make_proposer(DraftSpec(spec.label, resolve_target(spec.model), spec.backend, spec.quant), target,
+                                 args.repeats + 4)
         drafts[spec.label] = draft_cost(proposer, args.context, args.repeats)
         logger.info("draft %s: %.2f ms per token", spec.label, drafts[spec.label])
         del proposer
-    table = render(args, verify_ms, drafts)
+    projection = {label: {a: projected_speedup(verify_ms, ms, a, args.max_k) for a in args.acceptances}
+                  for label, ms in drafts.items()}
+    table = render(args, verify_ms, drafts, projection)
     results: dict[str, Any] = {
         "command": command, "target": args.target, "verify_ms": verify_ms, "draft_token_ms": drafts,
-        "projection": {label: {str(a): dict(zip(("speedup", "k"), projected_speedup(verify_ms, ms, a, args.max_k),
-                                                strict=True))
-                               for a in args.acceptances} for label, ms in drafts.items()},
+        "projection": {label: {str(a): {"speedup": s, "k": k} for a, (s, k) in by_a.items()}
+                       for label, by_a in projection.items()},
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(f"# Pair prices\n\nCommand: `{command}`\n\n{table}\n")

@@ -268,9 +268,9 @@ class Replicas(Generic[C]):
 
     def _held_by(self, session_id: str) -> set[str]:
         """The replicas that served a call of this session (each may hold a copy of its cache)."""
-        held = self._holders.pop(session_id, None) or set()
-        self._holders[session_id] = held  # most recent last: the oldest go first past the bound
-        while len(self._holders) > MAX_TRACKED_SESSIONS:
+        held = self._holders.setdefault(session_id, set())
+        self._holders.move_to_end(session_id)  # most recent last: the oldest go first past the bound
+        if len(self._holders) > MAX_TRACKED_SESSIONS:
             self._holders.popitem(last=False)
         return held
 

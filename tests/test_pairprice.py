@@ -20,6 +20,9 @@ def test_draft_specs():
             parse_draft(bad)
     with pytest.raises(SystemExit):
         parse_args(["--acceptances", "0.5,1.0"])
+    for bad in ("0", "32"):  # the engine verifies up to 32 draft tokens: k + 1 rows
+        with pytest.raises(SystemExit):
+            parse_args(["--max-k", bad])
 
 
 def test_projection_follows_the_costs():

@@ -226,6 +226,22 @@ def test_release_reaches_every_replica_that_served_the_session():
     asyncio.run(main())
 
 
+def test_sessions_remembered_for_release_are_bounded(monkeypatch):
+    """Sessions never released (a client gone) are forgotten oldest first; Release then asks their owner."""
+    from orchestrator import replicas as module
+
+    monkeypatch.setattr(module, "MAX_TRACKED_SESSIONS", 3)
+
+    async def main():
+        pool = make_pool({"h1:1": "a", "h2:1": "a"})
+        for i in range(5):
+            await pool.verify(f"s{i}")
+        await pool.verify("s2")  # used again: most recent
+        assert list(pool.replicas._holders) == ["s3", "s4", "s2"]
+
+    asyncio.run(main())
+
+
 def test_a_name_with_several_addresses_is_several_replicas(monkeypatch):
     answers = {"target-headless": ["10.0.0.1", "10.0.0.2"]}
 
