@@ -18,13 +18,18 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.params import ModelInfo  # noqa: F401  (re-exported)
-from specdec.ragged import RaggedBatch, Segment, SessionKV, kv_geometry, ragged_attention_on
+from specdec.ragged import ATTENTION_PATHS, RaggedBatch, Segment, SessionKV, attention_path, kv_geometry, ragged_attention_on
 from specdec.runner import RunnerBatch, fused_groups, pad_rows, runner_for
 from specdec.sessions import Session, SessionStore, common_prefix_len
 
 logger = logging.getLogger(__name__)
 
 MAX_SESSION_ID_LEN = 128
+
+# Where a pass's logits go, whatever device computed them: sampling (its seeded CPU generators),
+# verification and every per-token read run there, on one copy of the kept rows per pass (rows x
+# vocabulary floats, a few hundred KB), not on one device sync per token read.
+HOST = torch.device("cpu")
 
 
 def validate_session_id(session_id: str) -> None:
@@ -325,7 +330,7 @@ class ForwardRequest:
 
 @dataclass
 class ForwardResult:
-    logits: torch.Tensor | None  # [logits, V] fp32; row i predicts the token after tokens[:len - logits + i + 1]
+    logits: torch.Tensor | None  # [logits, V] fp32 on HOST; row i predicts the token after tokens[:len - logits + i + 1]
     cached: int  # leading tokens reused from the session's cache
     rows: int  # tokens computed for this session
 
@@ -338,15 +343,24 @@ class CachedCausalLM:
     with the requested sequence, crops the rest (a length change, no copy) and computes only the
     new suffix, at its own positions. :meth:`extend` is the single-session form. Callers hold
     :attr:`lock` around either: one forward at a time per model.
+
+    The model may sit on any device: the KV buffers and every tensor a pass creates live there,
+    and the logits a pass keeps come back to :data:`HOST` in one copy (none on the CPU).
+    ``attention``: how a packed pass attends (``segments`` or ``varlen``, see
+    specdec.ragged.attention_path; None picks by device).
     """
 
-    def __init__(self, model: Any, store: SessionStore, pack_weights: bool = True, use_runner: bool = True) -> None:
+    def __init__(self, model: Any, store: SessionStore, pack_weights: bool = True, use_runner: bool = True,
+                 attention: str | None = None) -> None:
         self.model = model
         self.store = store
         self.lock = threading.Lock()
         self.vocab_size = int(model.config.vocab_size)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.attention = attention or attention_path(self.device)
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
         self.fast_linears = _FastLinears.of(model, pack_weights)
         logger.info("%d fp32 linear layers on the %s kernel (%d served by their packed weight alone)",
                     self.fast_linears.count, self.fast_linears.kernel, self.fast_linears.released)
@@ -457,10 +471,11 @@ class CachedCausalLM:
         if self.runner is not None:
             with torch.inference_mode():
                 logits = self.runner.forward(RunnerBatch(
-                    torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), segments,
-                    torch.tensor(keep, dtype=torch.long)))
+                    torch.tensor(ids, dtype=torch.long, device=self.device),
+                    torch.tensor(positions, dtype=torch.long, device=self.device), segments,
+                    torch.tensor(keep, dtype=torch.long, device=self.device)))
             return [logits[first : first + want] if want else None for first, want in spans]
-        batch = RaggedBatch(segments)
+        batch = RaggedBatch(segments, self.attention)
         with torch.inference_mode(), self.fast_linears.active(), ragged_attention_on(self.model):
             out = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
@@ -470,7 +485,9 @@ class CachedCausalLM:
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
                 specdec_batch=batch,
             )
-        logits = out.logits[0].float() if keep else None
+        # One copy to the host for every request of the pass (a no-op on the CPU); the dtype
+        # conversion after it, so a bf16 model moves half the bytes.
+        logits = out.logits[0].to(HOST).float() if keep else None
         return [logits[first : first + want] if want else None for first, want in spans]
 
 

@@ -133,6 +133,10 @@ def load_hf(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        # before the load, and in words: torch's own error comes from deep inside .to(device)
+        raise NotFound(f"device {device!r}: torch {torch.__version__} sees no CUDA device (a CPU build of torch, "
+                       "or no GPU visible to this process); run on the CPU or install a CUDA build (README, GPU)")
     source = resolve_hf(model, cache_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)

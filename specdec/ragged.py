@@ -13,7 +13,12 @@ ever copying a session's keys and values into a padded batch:
   ``past_key_values.update`` writes the new keys/values of every segment into its session's buffer.
 - :func:`ragged_attention`, registered as the attention implementation ``specdec_ragged``, then
   runs attention per segment over a *view* of that session's buffer (no copy), causal within the
-  segment's new rows.
+  segment's new rows; or, on the ``varlen`` path (:func:`attention_path`: CUDA), in one call over
+  the packed rows of every segment.
+
+Every tensor a batch creates (masks, indices) is created on its KV buffers' device: a mask built
+on the CPU beside CUDA keys fails the first multi-row pass (tests/test_device.py runs the whole
+forward on PyTorch's ``meta`` device to catch that on machines without a GPU).
 
 Linear layers sum a row's dot products the same way whatever the other rows are only up to the
 kernel's blocking: batched and single-session results may differ in the last bits (see
@@ -36,6 +41,25 @@ ATTENTION = "specdec_ragged"
 # a session of n tokens costs O(log n) copies over its life and wastes little memory.
 GROW_MIN = 64
 GROW_MAX = 1024
+
+SEGMENTS = "segments"
+VARLEN = "varlen"
+ATTENTION_PATHS = (SEGMENTS, VARLEN)
+
+
+def attention_path(device: torch.device) -> str:
+    """How a packed batch attends on ``device``: ``varlen`` on CUDA, ``segments`` elsewhere.
+
+    ``segments``: one attention call per session over a view of its own buffer: no copy and no
+    masked-out work, which is what a CPU wants (its per-op overhead is small next to the work).
+    ``varlen``: one call over the packed rows of every segment, against all their sessions' keys
+    and values laid end to end, with a block-diagonal causal mask built on the device, and the
+    new keys and values written into the session buffers in one multi-tensor copy. A GPU pays a
+    launch per kernel (microseconds it idles through at these sizes), so a batch of B sessions
+    should not cost B attention kernels per layer. The price is one copy of the keys and values
+    read per layer (the sessions' buffers are separate tensors) and the masked-out scores.
+    """
+    return VARLEN if device.type == "cuda" else SEGMENTS
 
 
 class SessionKV:
@@ -92,21 +116,43 @@ class Segment:
 
 class RaggedBatch:
     """The ``past_key_values`` of a packed forward: writes each segment's new keys/values into its
-    session's buffer, and carries the segments to :func:`ragged_attention`."""
+    session's buffer, and carries the segments to :func:`ragged_attention` (``path``: see
+    :func:`attention_path`). Segments come in packed order: each one's rows follow the previous one's."""
 
     is_compileable = False
 
-    def __init__(self, segments: list[Segment]) -> None:
+    def __init__(self, segments: list[Segment], path: str = SEGMENTS) -> None:
+        if path not in ATTENTION_PATHS:
+            raise ValueError(f"attention path must be one of {ATTENTION_PATHS}, got {path!r}")
+        offset = 0
+        for seg in segments:
+            if seg.offset != offset:
+                raise ValueError(f"segments must be packed in order: a segment starts at row {seg.offset}, not {offset}")
+            offset += seg.rows
         self.segments = segments
+        self.path = path
+        self.mask: torch.Tensor | None = None  # varlen: [T, S] bool, see _varlen_mask
+        if path == VARLEN:
+            self.mask = _varlen_mask(segments, offset)
+            return
         for seg in segments:
             if seg.rows > 1:
                 total = seg.start + seg.rows
                 # row i (position start + i) sees positions 0 .. start + i
-                seg.mask = torch.ones(seg.rows, total, dtype=torch.bool).tril(diagonal=seg.start)
+                seg.mask = torch.ones(seg.rows, total, dtype=torch.bool, device=seg.kv.kv.device).tril(diagonal=seg.start)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states, value_states: [1, kv_heads, T, head_dim] of the packed rows."""
+        if self.path == VARLEN:
+            # one multi-tensor copy for every segment's keys and values (one launch on CUDA, not 2 per session)
+            dst, src = [], []
+            for seg in self.segments:
+                end, lo, hi = seg.start + seg.rows, seg.offset, seg.offset + seg.rows
+                dst += [seg.kv.kv[layer_idx, 0, :, seg.start : end], seg.kv.kv[layer_idx, 1, :, seg.start : end]]
+                src += [key_states[0, :, lo:hi], value_states[0, :, lo:hi]]
+            torch._foreach_copy_(dst, src)
+            return key_states, value_states
         for seg in self.segments:
             end = seg.start + seg.rows
             seg.kv.kv[layer_idx, 0, :, seg.start : end] = key_states[0, :, seg.offset : seg.offset + seg.rows]
@@ -115,6 +161,24 @@ class RaggedBatch:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come from position_ids; nothing asks for one length of a ragged batch
+
+
+def _varlen_mask(segments: list[Segment], rows: int) -> torch.Tensor:
+    """[T, S] bool for the varlen path: packed row r (segment i, position p in its session) sees key
+    column c iff c holds one of segment i's keys at a position <= p. The keys are the segments'
+    buffers laid end to end (segment i's first start_i + rows_i positions). Built on the buffers'
+    device from one small host-to-device copy; the sizes passed as ``output_size`` keep it free of
+    device syncs."""
+    device = segments[0].kv.kv.device
+    keys = sum(seg.start + seg.rows for seg in segments)
+    counts, ends, starts = torch.tensor([[seg.rows for seg in segments], [seg.start + seg.rows for seg in segments],
+                                         [seg.start for seg in segments]], dtype=torch.long, device=device).unbind()
+    ids = torch.arange(len(segments), device=device)
+    row_seg = ids.repeat_interleave(counts, output_size=rows)  # [T] segment of each packed row
+    key_seg = ids.repeat_interleave(ends, output_size=keys)  # [S] segment of each key column
+    row_pos = torch.arange(rows, device=device) - (counts.cumsum(0) - counts)[row_seg] + starts[row_seg]
+    key_pos = torch.arange(keys, device=device) - (ends.cumsum(0) - ends)[key_seg]
+    return (row_seg[:, None] == key_seg[None, :]) & (key_pos[None, :] <= row_pos[:, None])
 
 
 def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -129,6 +193,12 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise RuntimeError(f"the {ATTENTION} attention needs a RaggedBatch (run the model through specdec.ragged)")
     layer = module.layer_idx
     heads, dim = query.shape[1], query.shape[3]
+    if specdec_batch.path == VARLEN:
+        views = [seg.kv.kv[layer, :, :, : seg.start + seg.rows] for seg in specdec_batch.segments]
+        kv = views[0] if len(views) == 1 else torch.cat(views, dim=2)  # [2, kv_heads, S, head_dim]
+        o = F.scaled_dot_product_attention(query, kv[0:1], kv[1:2], attn_mask=specdec_batch.mask, scale=scaling,
+                                           enable_gqa=kv.shape[1] != heads)
+        return o.transpose(1, 2).contiguous(), None
     out = query.new_empty((1, query.shape[2], heads, dim))
     for seg in specdec_batch.segments:
         end = seg.start + seg.rows

@@ -134,14 +134,16 @@ class _Runner:
 
     def _masks(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
         """Per segment, the additive causal mask of its grouped query rows over its keys
-        ([group * rows, start + rows], 0 or -inf), built once per forward for every layer."""
+        ([group * rows, start + rows], 0 or -inf, on the keys' device), built once per forward for
+        every layer."""
         masks: list[torch.Tensor | None] = []
         for seg in segments:
             if seg.rows == 1:
                 masks.append(None)
                 continue
-            allowed = torch.ones(seg.rows, seg.start + seg.rows, dtype=torch.bool).tril(diagonal=seg.start)
-            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, -math.inf)
+            device = seg.kv.kv.device
+            allowed = torch.ones(seg.rows, seg.start + seg.rows, dtype=torch.bool, device=device).tril(diagonal=seg.start)
+            mask = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, -math.inf)
             masks.append(mask.repeat(self.group, 1))
         return masks
 
