@@ -259,6 +259,25 @@ def _tally(tried: list[float], hits: list[float], decay: float, first: int, last
         hits[j] += 1 if j <= last_hit else 0
 
 
+def compute_site(host_id: str, device: str, cpu_cores: float) -> tuple[str, float] | None:
+    """Where a model service computes, from its Info: (site, capacity), None when its host is unknown.
+
+    Services whose sites are equal compete for the same compute. A service on the CPU computes on
+    its host's cores: the site is the host (``host_id``) and the capacity its cores. One on an
+    accelerator computes there: the site is the host and the device (a bare ``cuda`` is device 0,
+    as torch and llama.cpp take it), with the capacity of one device running one pass at a time.
+    So a target on ``cuda:0`` and a draft on the CPU of the same host do not share compute (the
+    target's host-side work, launching kernels, is small next to a CPU draft's), while two
+    services on one GPU do.
+    """
+    if not host_id:
+        return None
+    kind = device.split(":", 1)[0]
+    if kind in ("", "cpu"):
+        return host_id, cpu_cores
+    return f"{host_id}/{device if ':' in device else device + ':0'}", 1.0
+
+
 class CostModel:
     """Running estimates of what a step costs, in milliseconds of wall time as the client sees it,
     as functions of the load the model services batch together.
@@ -321,7 +340,8 @@ class CostModel:
 
     def set_hosts(self, target: tuple[str, float] | None, draft: tuple[str, float] | None,
                   own: tuple[str, float] | None) -> None:
-        """(host id, cores) of the target service, the draft service and this process."""
+        """(site, capacity) of the target service, the draft service and this process: see
+        :func:`compute_site` (for a CPU, the host id and its cores)."""
         self.hosts = {"target": target, "draft": draft, "self": own}
 
     def speculation_allowed(self) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from orchestrator.controller import CostModel
+from orchestrator.controller import CostModel, compute_site
 from orchestrator.loop import DraftHealth, ModelLimits
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.settings import OrchestratorSettings
@@ -121,16 +121,18 @@ async def connect(rt: Runtime) -> None:
             rt.not_ready = f"tokenizer {spec!r} does not match the target's ({target.model_id})"
             return
         rt.tokenizer, rt.tokenizer_fingerprint = tokenizer, fingerprint
-    own = runtime.host_id(), runtime.cpu_cores()
-    rt.costs.set_hosts((target.host_id, target.cpu_cores) if target.host_id else None,
-                       (draft.host_id, draft.cpu_cores) if draft is not None and draft.host_id else None, own)
+    # where each party computes: a host's cores, or a device on it (a GPU target and a CPU draft on
+    # one host do not take each other's compute)
+    target_site = compute_site(target.host_id, target.device, target.cpu_cores)
+    draft_site = compute_site(draft.host_id, draft.device, draft.cpu_cores) if draft is not None else None
+    rt.costs.set_hosts(target_site, draft_site, (runtime.host_id(), runtime.cpu_cores()))
     rt.limits = ModelLimits(
         target_max_context=target.max_context,
         target_max_draft=target.max_draft_tokens,
         draft_max_context=draft.max_context if draft is not None else 0,
         draft_max_draft=draft.max_draft_tokens if draft is not None else 0,
         eos_token_ids=set(target.eos_token_ids),
-        draft_shares_host=draft is not None and bool(target.host_id) and draft.host_id == target.host_id,
+        draft_shares_host=target_site is not None and draft_site is not None and draft_site[0] == target_site[0],
     )
     rt.not_ready = ""
     if draft is not None:
