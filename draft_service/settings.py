@@ -56,6 +56,13 @@ class DraftSettings(ModelServiceSettings):
         16, ge=1, description="llamacpp backend: most guessed tokens in one pass (a guess starts at 2 tokens and "
                               "doubles while it is taken whole)."
     )
+    gpu_layers: int = Field(
+        0, ge=-1,
+        description="llamacpp backend: model layers offloaded to the GPU (llama.cpp's n_gpu_layers); -1: all, 0: none "
+                    "(the draft on the CPU). Needs a CUDA build of llama-cpp-python (the CUDA image, or "
+                    "SPECDEC_LLAMACPP_CUDA=1 scripts/install_llamacpp.sh); without one the draft stays on the CPU, "
+                    "logs a warning and reports device cpu in Info.",
+    )
     ngram_max: int = Field(3, ge=1, description="ngram backend: longest suffix n-gram to look up.")
     ngram_min: int = Field(1, ge=1, description="ngram backend: shortest suffix n-gram to look up.")
     ngram_vocab_size: int = Field(1 << 20, ge=1, description="ngram backend: ids must be below this.")

@@ -9,6 +9,12 @@
 # CPU has it (measured ~5 % faster than AVX2 there; see docs/performance.md). The wheel is cached
 # under ~/.cache/specdec/wheels keyed by the flags, so a rebuild happens only when they change;
 # pip itself never reuses a wheel built with other flags (--no-cache-dir).
+#
+# SPECDEC_LLAMACPP_CUDA=1 adds llama.cpp's CUDA backend (-DGGML_CUDA=on), so the draft can offload
+# layers to a GPU (SPECDEC_DRAFT_GPU_LAYERS). The build needs the CUDA toolkit (nvcc, cuBLAS) and
+# compiles for llama.cpp's default list of GPU architectures (no GPU needed at build time; tens of
+# minutes); the wheel needs libcudart and libcublas of the same CUDA major version at run time
+# (a CUDA build of torch brings them) and the NVIDIA driver.
 set -euo pipefail
 PY=${1:-.venv/bin/python}
 VERSION=0.3.36
@@ -19,6 +25,9 @@ if [ "${SPECDEC_LLAMACPP_AVX512:-auto}" != "off" ] && grep -qw avx512f /proc/cpu
   flags="$flags -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
 else
   flags="$flags -DGGML_AVX512=OFF"
+fi
+if [ "${SPECDEC_LLAMACPP_CUDA:-0}" = "1" ]; then
+  flags="$flags -DGGML_CUDA=on"
 fi
 
 key=$(printf '%s %s' "$VERSION" "$flags" | sha256sum | cut -c1-16)

@@ -51,7 +51,7 @@ class LlamaCppProposer(Proposer):
 
     def __init__(self, model_path: str, max_sessions: int, kv_budget_bytes: int, ttl_s: float,
                  max_draft_tokens: int, threads: int = 0, n_batch: int = 512, overlap_threads: int = 1,
-                 lookup_ngram: int = 3, lookup_max_tokens: int = 16) -> None:
+                 lookup_ngram: int = 3, lookup_max_tokens: int = 16, gpu_layers: int = 0) -> None:
         import llama_cpp
         from llama_cpp import _internals as internals
         from llama_cpp import _logger as llama_logger
@@ -65,9 +65,15 @@ class LlamaCppProposer(Proposer):
         self.lookup_max_tokens = lookup_max_tokens
         self.lock = threading.Lock()
         llama_cpp.llama_backend_init()
-        self._model = internals.LlamaModel(
-            path_model=model_path, params=llama_cpp.llama_model_default_params(), verbose=False
-        )
+        # Layers offloaded to the GPU (-1: all). A build without a GPU backend ignores them and
+        # computes on the CPU: Info's device says which happened.
+        offload = gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
+        if gpu_layers != 0 and not offload:
+            logger.warning("gpu_layers=%d, but this llama-cpp-python build has no GPU backend: the draft runs on the "
+                           "CPU (build it with SPECDEC_LLAMACPP_CUDA=1 scripts/install_llamacpp.sh)", gpu_layers)
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = gpu_layers if offload else 0
+        self._model = internals.LlamaModel(path_model=model_path, params=model_params, verbose=False)
         m = self._model.model
         n_layer = llama_cpp.llama_model_n_layer(m)
         n_head = llama_cpp.llama_model_n_head(m)
@@ -118,13 +124,14 @@ class LlamaCppProposer(Proposer):
             tokenizer_fingerprint=fingerprint,
             max_context=min(n_ctx_train, pool),
             dtype=_file_type(self._model.metadata()),
-            device="cpu",
+            device="cuda" if offload else "cpu",
             backend=self.backend,
             max_draft_tokens=max_draft_tokens,
             eos_token_ids=sorted(self._eos),
         )
-        logger.info("llama.cpp: %d threads (%d when yielding cores to the target), KV pool %d tokens in %d slots "
-                    "(%d B/token)", nthreads, self.overlap_threads, pool, slots, self.bytes_per_token)
+        logger.info("llama.cpp on the %s: %d threads (%d when yielding cores to the target), KV pool %d tokens in %d "
+                    "slots (%d B/token)", self._info.device, nthreads, self.overlap_threads, pool, slots,
+                    self.bytes_per_token)
 
     @classmethod
     def from_settings(cls, settings) -> LlamaCppProposer:
@@ -132,7 +139,7 @@ class LlamaCppProposer(Proposer):
         return cls(str(path), settings.max_sessions, settings.kv_budget_bytes,
                    settings.session_ttl_s, settings.max_draft_tokens, settings.threads,
                    overlap_threads=settings.overlap_threads, lookup_ngram=settings.lookup_ngram,
-                   lookup_max_tokens=settings.lookup_max_tokens)
+                   lookup_max_tokens=settings.lookup_max_tokens, gpu_layers=settings.gpu_layers)
 
     @property
     def model_info(self) -> ModelInfo:

@@ -25,6 +25,9 @@ if [ -z "${PYTHON_IMAGE:-}" ]; then
   fi
 fi
 args+=(--build-arg "PYTHON_IMAGE=$PYTHON_IMAGE")
+# Named although it is the Dockerfile's default: podman before 4.4 (Debian bookworm has 4.3) resolves
+# the stage `FROM llamacpp-${TORCH_VARIANT}` names only from a --build-arg, not from the default.
+args+=(--build-arg TORCH_VARIANT=cpu)
 
 if curl -fsS --max-time 15 -o /dev/null "https://download.pytorch.org/whl/cpu/torch/" 2>/dev/null; then
   echo "torch $torch from the PyTorch CPU index"
