@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup run test test-fast test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout bench-rtt bench-peer clean-cache
+.PHONY: setup run test test-fast test-gpu test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout bench-rtt bench-peer clean-cache
 
 setup: $(STAMP)
 
@@ -29,6 +29,17 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not embedded and not browser and not reliability and not containers"
+
+## On a machine with an NVIDIA GPU and a CUDA build of torch: the tests marked cuda (placement,
+## varlen attention, the engines, speculative == plain on the embedded target in fp32 and bf16),
+## then the sampling homogeneity test with the target on the GPU in each dtype. Fails at once,
+## saying "no CUDA device", where torch sees none (docs/performance.md, "GPU").
+test-gpu: setup
+	$(PY) -m pytest -ra --require-cuda -m cuda
+	for dtype in float32 bfloat16; do \
+	  SPECDEC_TARGET_DEVICE=cuda SPECDEC_TARGET_DTYPE=$$dtype $(PY) -m pytest -ra --require-cuda \
+	    tests/reliability/test_sampling_lossless.py || exit 1; \
+	done
 
 ## The reliability suite: HTTP and gRPC fuzzing, fault injection, a 16-client soak (docs/reliability.md).
 test-reliability: setup

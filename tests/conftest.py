@@ -14,6 +14,17 @@ import torch
 VOCAB = ["<eos>", "<unk>", " "] + list(string.ascii_lowercase) + list(".,!?'-0123456789")
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--require-cuda", action="store_true",
+                     help="fail at once when torch sees no CUDA device, instead of skipping the cuda tests (make test-gpu)")
+
+
+def pytest_configure(config) -> None:
+    if config.getoption("--require-cuda") and not torch.cuda.is_available():
+        raise pytest.UsageError(f"no CUDA device: torch {torch.__version__} sees no GPU here, so the cuda tests would "
+                                "only be skipped. Run make test-gpu on a machine with an NVIDIA GPU and a CUDA build of torch.")
+
+
 def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

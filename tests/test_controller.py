@@ -15,6 +15,7 @@ from orchestrator.controller import (
     HFController,
     LinearFit,
     StepObservation,
+    compute_site,
     make_controller,
 )
 
@@ -251,6 +252,27 @@ def test_shared_host_stream_limit(hosts, limit, streams, drafts):
     picks = [c.next_k() for _ in range(6)]
     assert (max(picks) > 0) is drafts
     assert not c.probing
+
+
+def test_a_service_computes_on_its_hosts_cores_or_on_its_device():
+    """Info's device as well as its host: only services at the same site share compute."""
+    assert compute_site("h", "cpu", 2.0) == compute_site("h", "", 2.0) == ("h", 2.0)
+    assert compute_site("h", "cuda:0", 16.0) == compute_site("h", "cuda", 16.0) == ("h/cuda:0", 1.0)
+    assert compute_site("h", "cuda:1", 16.0) == ("h/cuda:1", 1.0)
+    assert compute_site("", "cuda:0", 2.0) is None  # host unknown: no CPU term, nothing shared
+
+
+def test_a_gpu_target_beside_a_cpu_draft_keeps_drafting_under_load():
+    """On one host, a target on its GPU and a llama.cpp draft on the host's cores: the draft's CPU
+    is not the target's, so the shared-host stream limit does not stop speculation and the
+    draft's CPU costs load only the host's cores."""
+    m, c = _cpu_bound_costs(compute_site("host-a", "cuda:0", 2.0), compute_site("host-a", "cpu", 2.0))
+    m.shared_host_max_streams = 1
+    assert m.speculation_allowed()
+    assert m.cpu_round_ms(2) == pytest.approx(20 + 4.0 * 48)  # one device, one pass at a time
+    assert c.next_k() >= 1
+    m.set_hosts(compute_site("host-a", "cpu", 2.0), compute_site("host-a", "cpu", 2.0), own=None)
+    assert not m.speculation_allowed()
 
 
 def test_unknown_hosts_mean_no_cpu_term():
