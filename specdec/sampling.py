@@ -24,6 +24,11 @@ that round, whatever the outcome), but after a rejection the next round drafts t
 again; keyed by position alone it would redraw them with the same numbers, and a controller whose k
 depends on where the last draft stopped would pick k from the very draws it then uses. With the
 round in the key every round's draft draws are fresh, independent of everything seen before it.
+
+Everything here runs on host tensors, whatever device computed the logits: the engines copy the
+kept rows of a pass to the host once (specdec.engine.HOST), so the seeded CPU generators, greedy
+acceptance and every per-token read cost no device sync, and the draft's q meets the target's p
+where both are.
 """
 
 from __future__ import annotations

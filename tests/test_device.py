@@ -202,6 +202,15 @@ def test_engines_verify_and_draft_on_meta_with_one_host_copy_per_pass(tiny_model
         assert len(p.distributions) == 2 and all(len(ids) == 5 for ids, _ in p.distributions)  # top_k support
 
 
+def test_the_sampling_transform_creates_nothing_off_the_logits_device():
+    """Temperature, top-k and top-p on meta logits: every intermediate stays on their device (a
+    CPU tensor among them would fail), so the transform runs wherever the logits are."""
+    logits = torch.empty(3, len(VOCAB), device="meta")
+    for sampling in (sm.Sampling(), sm.Sampling(temperature=0.7, top_k=5, top_p=0.9)):
+        probs = sm.probabilities(logits, sampling)
+        assert probs.device.type == "meta" and probs.shape == logits.shape
+
+
 # ---- the same paths on every device present --------------------------------------------------------
 
 
