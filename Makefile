@@ -36,6 +36,7 @@ test-fast: setup
 ## saying "no CUDA device", where torch sees none (docs/performance.md, "GPU").
 test-gpu: setup
 	$(PY) -m pytest -ra --require-cuda -m cuda
+	cat artifacts/gpu/equality-float32.json artifacts/gpu/equality-bfloat16.json
 	for dtype in float32 bfloat16; do \
 	  SPECDEC_TARGET_DEVICE=cuda SPECDEC_TARGET_DTYPE=$$dtype $(PY) -m pytest -ra --require-cuda \
 	    tests/reliability/test_sampling_lossless.py || exit 1; \

@@ -117,23 +117,18 @@ class Segment:
 class RaggedBatch:
     """The ``past_key_values`` of a packed forward: writes each segment's new keys/values into its
     session's buffer, and carries the segments to :func:`ragged_attention` (``path``: see
-    :func:`attention_path`). Segments come in packed order: each one's rows follow the previous one's."""
+    :func:`attention_path`)."""
 
     is_compileable = False
 
     def __init__(self, segments: list[Segment], path: str = SEGMENTS) -> None:
         if path not in ATTENTION_PATHS:
             raise ValueError(f"attention path must be one of {ATTENTION_PATHS}, got {path!r}")
-        offset = 0
-        for seg in segments:
-            if seg.offset != offset:
-                raise ValueError(f"segments must be packed in order: a segment starts at row {seg.offset}, not {offset}")
-            offset += seg.rows
         self.segments = segments
         self.path = path
         self.mask: torch.Tensor | None = None  # varlen: [T, S] bool, see _varlen_mask
         if path == VARLEN:
-            self.mask = _varlen_mask(segments, offset)
+            self.mask = _varlen_mask(segments)
             return
         for seg in segments:
             if seg.rows > 1:
@@ -163,12 +158,18 @@ class RaggedBatch:
         return 0  # positions come from position_ids; nothing asks for one length of a ragged batch
 
 
-def _varlen_mask(segments: list[Segment], rows: int) -> torch.Tensor:
+def _varlen_mask(segments: list[Segment]) -> torch.Tensor:
     """[T, S] bool for the varlen path: packed row r (segment i, position p in its session) sees key
     column c iff c holds one of segment i's keys at a position <= p. The keys are the segments'
-    buffers laid end to end (segment i's first start_i + rows_i positions). Built on the buffers'
-    device from one small host-to-device copy; the sizes passed as ``output_size`` keep it free of
-    device syncs."""
+    buffers laid end to end (segment i's first start_i + rows_i positions), and the rows must be
+    packed in segment order (each segment's rows right after the previous one's). Built on the
+    buffers' device from one small host-to-device copy; the sizes passed as ``output_size`` keep it
+    free of device syncs."""
+    rows = 0
+    for seg in segments:
+        if seg.offset != rows:
+            raise ValueError(f"segments must be packed in order: a segment starts at row {seg.offset}, not {rows}")
+        rows += seg.rows
     device = segments[0].kv.kv.device
     keys = sum(seg.start + seg.rows for seg in segments)
     counts, ends, starts = torch.tensor([[seg.rows for seg in segments], [seg.start + seg.rows for seg in segments],
