@@ -36,7 +36,8 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 HANG_HOOK = '''\
 """Fault injection (tests/reliability/test_grpc_pressure.py): while the file named by
-SPECDEC_TEST_HANG_FILE exists, the target's batched step does not return."""
+SPECDEC_TEST_HANG_FILE exists, the target's batched step does not return (it creates
+<file>.entered when it starts waiting)."""
 import os
 import time
 
@@ -47,6 +48,8 @@ if _path:
     _step = _engine.TargetEngine.step
 
     def _hanging_step(self, jobs):
+        if os.path.exists(_path):
+            open(_path + ".entered", "w").close()  # the test times the hang from here
         while os.path.exists(_path):
             time.sleep(0.05)
         return _step(self, jobs)
@@ -186,16 +189,22 @@ def test_floods_without_the_token_leave_the_services_answering(stack):
 
 def test_a_hung_forward_turns_health_not_serving_within_ten_seconds(stack):
     """The target's forward stops returning (the hook holds its batched step): health answers
-    NOT_SERVING within the hang timeout (8 s, the default) plus the watchdog's second, Info still
-    answers meanwhile, and once the forward returns the call completes and health is SERVING again."""
+    NOT_SERVING within 10 s of the hang (the hang timeout, 8 s by default, and the watchdog's
+    one-second look), Info still answers meanwhile, and once the forward returns the call completes
+    and health is SERVING again."""
     port, hang_file = stack["ports"]["target"], stack["hang_file"]
     assert health(port) == SERVING
     hang_file.touch()
     readings: list[tuple[float, str]] = []
     try:
         with ThreadPoolExecutor(1) as pool:
-            t0 = time.monotonic()
             pending = pool.submit(model_call, "target", port, "hung")
+            entered = hang_file.with_name(hang_file.name + ".entered")
+            deadline = time.monotonic() + 30
+            while not entered.exists():  # the forward has started and does not return
+                assert time.monotonic() < deadline and not pending.done(), "the Verify never reached the forward"
+                time.sleep(0.02)
+            t0 = time.monotonic()
             not_serving_s = None
             while time.monotonic() - t0 < 15:
                 status = health(port)
@@ -217,6 +226,7 @@ def test_a_hung_forward_turns_health_not_serving_within_ten_seconds(stack):
                 time.sleep(0.1)
     finally:
         hang_file.unlink(missing_ok=True)
+        hang_file.with_name(hang_file.name + ".entered").unlink(missing_ok=True)
     report = {"hang_timeout_s": HANG_TIMEOUT_S, "not_serving_after_s": not_serving_s,
               "info_while_hung_s": round(info_while_hung_s, 3), "held_verify_s": round(verify_s, 1),
               "serving_again_after_s": serving_again_s, "readings": readings[-3:]}

@@ -28,7 +28,7 @@ PROMPTS = ["the sea was calm", "a lighthouse keeper", "forty-two boats", "she wr
            "the last letter", "quiet nights"]
 CLIENTS = 6
 MAX_TOKENS = 24
-AFTER_SEEN_S = 6.0  # load kept on after the orchestrator has seen the other model: three probe periods
+AFTER_SEEN_S = 4.0  # load kept on after the orchestrator has seen the other model: two probe periods
 
 
 @pytest.fixture(scope="module")
