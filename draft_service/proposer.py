@@ -45,6 +45,7 @@ class ProposeJob(CpuAccounted):
     return_distributions: bool
     prepare_ns: int = 0
     yield_cores: bool = False  # the target computes on this host meanwhile: draft on overlap_threads
+    issued: int | None = None  # the store's stamp when the call arrived: a later Release wins (SessionStore)
     queue_ns: int = 0  # set by the scheduler: wait before the first step
     # drafting state, advanced by the backend's steps
     k: int = 0  # tokens to draft at most (max_draft_tokens, or less near the end of the context)
@@ -165,6 +166,7 @@ class Proposer(abc.ABC):
         """Validate a Propose request (raises InvalidArgument) without touching the model, so a
         malformed or oversized request never costs the compute thread any time."""
         t0 = time.perf_counter_ns()
+        issued = self.store.stamp()  # first: a Release handled after this point wins over this call
         info = self.model_info
         validate_session_id(session_id)
         validate_context(len(tokens), info.max_context, "tokens")
@@ -176,7 +178,8 @@ class Proposer(abc.ABC):
             raise InvalidArgument(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         sampling.validate()
         return ProposeJob(session_id, tokens, max_draft_tokens, confidence_threshold, sampling,
-                          return_distributions and not sampling.greedy, time.perf_counter_ns() - t0, yield_cores)
+                          return_distributions and not sampling.greedy, time.perf_counter_ns() - t0, yield_cores,
+                          issued)
 
     def run(self, job: ProposeJob) -> Proposal:
         """Draft for one validated request on its own (step after step)."""

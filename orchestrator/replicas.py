@@ -248,8 +248,14 @@ class Replicas(Generic[C]):
         for replica in self.ranked(session_id):
             try:
                 result = await fn(replica.client)
+            except asyncio.CancelledError:
+                # A call given up (a dropped pre-draft) may still run there and hold the session.
+                self._held_by(session_id).add(replica.address)
+                raise
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in FAILOVER_CODES:
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # it may still be computing there
+                        self._held_by(session_id).add(replica.address)
                     raise
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self.mark_down(replica.address, f"{exc.code().name}: {exc.details()}")

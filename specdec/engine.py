@@ -388,8 +388,9 @@ class CachedCausalLM:
     def _new_kv(self) -> SessionKV:
         return SessionKV(*self.geometry, self.dtype, self.device)
 
-    def session(self, session_id: str) -> Session:
-        session = self.store.get_or_create(session_id, lambda: None)
+    def session(self, session_id: str, issued: int | None = None) -> Session:
+        """The session with a KV cache (see SessionStore.get_or_create for ``issued``)."""
+        session = self.store.get_or_create(session_id, lambda: None, issued)
         if session.cache is None:
             session.cache = self._new_kv()
         return session

@@ -2,11 +2,13 @@
 
 The store is generic over the cache object (a transformers ``DynamicCache``, a llama.cpp sequence
 slot …). It only knows each entry's size in bytes, reported by the engine after every call.
-An evicted session is not an error: the next call on it simply re-prefills.
+An evicted session is not an error: the next call on it simply re-prefills. A released one is
+gone for every call made before the Release (see :meth:`SessionStore.get_or_create`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -15,9 +17,13 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.errors import ResourceExhausted
+from specdec.errors import Cancelled, ResourceExhausted
 
 logger = logging.getLogger(__name__)
+
+# Released session ids remembered (oldest forgotten first), so that a call made before a Release
+# and still waiting (queued, or between two steps) cannot re-create the session after it.
+RELEASED_REMEMBERED = 4096
 
 
 @dataclass
@@ -49,6 +55,8 @@ class SessionStore:
 
     Sessions idle for more than ``ttl_s`` seconds are dropped on the next access to the store.
     ``on_evict`` is called with each session removed for any reason (to free backend resources).
+    A Release wins over every call made before it: calls take a :meth:`stamp` when they arrive,
+    and :meth:`get_or_create` refuses to bring back a session released after that stamp.
     Thread-safe; the engine holds its own lock around model compute.
     """
 
@@ -73,6 +81,8 @@ class SessionStore:
         # while the compute thread reorders or evicts sessions.
         self._nbytes = 0
         self.evictions = 0
+        self._clock = itertools.count(1)
+        self._released: OrderedDict[str, int] = OrderedDict()  # session id -> stamp of its last Release
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -85,12 +95,26 @@ class SessionStore:
         """Bytes held across sessions (safe to read from any thread)."""
         return self._nbytes
 
-    def get_or_create(self, session_id: str, factory: Callable[[], Any]) -> Session:
-        """Return the session (marked most recently used), creating it with ``factory()``."""
+    def stamp(self) -> int:
+        """A point in this store's history, later than every one before: a call takes one when it
+        arrives and passes it to :meth:`get_or_create` as ``issued``."""
+        with self._lock:
+            return next(self._clock)
+
+    def get_or_create(self, session_id: str, factory: Callable[[], Any], issued: int | None = None) -> Session:
+        """Return the session (marked most recently used), creating it with ``factory()``.
+
+        ``issued``: the :meth:`stamp` of the call asking. A session released after it is not
+        created again (Cancelled): the caller sent the Release after this call, so it no longer
+        wants the call's result, and the session would stay until its idle TTL. A call made after
+        the Release creates the session afresh, as for any new id.
+        """
         with self._lock:
             self._expire()
             session = self._sessions.get(session_id)
             if session is None:
+                if issued is not None and self._released.get(session_id, 0) > issued:
+                    raise Cancelled(f"session {session_id!r} was released after this call was made")
                 if len(self._sessions) >= self.max_sessions:
                     self._evict_lru(keep=())
                 session = Session(session_id=session_id, cache=factory())
@@ -133,8 +157,13 @@ class SessionStore:
         self.update(session, [], 0)
 
     def release(self, session_id: str) -> bool:
-        """Drop a session now; False when it was not held."""
+        """Drop a session now, and keep calls made before this from creating it again; False when
+        it was not held."""
         with self._lock:
+            self._released[session_id] = next(self._clock)
+            self._released.move_to_end(session_id)
+            if len(self._released) > RELEASED_REMEMBERED:
+                self._released.popitem(last=False)
             if session_id not in self._sessions:
                 return False
             self._remove(session_id)

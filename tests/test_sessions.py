@@ -1,4 +1,4 @@
-"""SessionStore: LRU by count, byte budget, idle TTL, release."""
+"""SessionStore: LRU by count, byte budget, idle TTL, release (and calls made before it)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from specdec.errors import ResourceExhausted
+from specdec import sessions
+from specdec.errors import Cancelled, ResourceExhausted
 from specdec.sessions import SessionStore, common_prefix_len
 
 
@@ -57,3 +58,37 @@ def test_release():
     assert store.release("a") is True
     assert store.release("a") is False
     assert released == ["a"] and len(store) == 0
+
+
+def test_a_call_made_before_the_release_does_not_recreate_the_session():
+    store = SessionStore(max_sessions=10, max_bytes=100, ttl_s=0)
+    before = store.stamp()
+    store.get_or_create("a", object, before)
+    store.release("a")
+    with pytest.raises(Cancelled, match="released after this call was made"):
+        store.get_or_create("a", object, before)
+    assert "a" not in store
+    # released while nothing was held yet: the call queued before it loses all the same
+    queued = store.stamp()
+    store.release("b")
+    with pytest.raises(Cancelled):
+        store.get_or_create("b", object, queued)
+    # a call made after the Release, or one without a stamp, is a new session
+    store.get_or_create("a", object, store.stamp())
+    store.get_or_create("b", object)
+    assert "a" in store and "b" in store
+    # and once re-created, even the older call finds it (it no longer brings anything back)
+    assert store.get_or_create("a", object, before).session_id == "a"
+    assert store.stamp() > queued > before
+
+
+def test_released_ids_are_remembered_within_a_bound_oldest_forgotten_first(monkeypatch):
+    monkeypatch.setattr(sessions, "RELEASED_REMEMBERED", 3)
+    store = SessionStore(max_sessions=10, max_bytes=100, ttl_s=0)
+    before = store.stamp()
+    for sid in ["a", "b", "c", "a", "d"]:  # "a" released again: now the most recent but one
+        store.release(sid)
+    assert list(store._released) == ["c", "a", "d"]
+    store.get_or_create("b", object, before)  # forgotten: created as any unknown id
+    with pytest.raises(Cancelled):
+        store.get_or_create("a", object, before)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
 from specdec import sampling as sm
 from specdec.engine import CachedCausalLM, ForwardRequest, ModelInfo, eos_ids, torch_threads
+from specdec.errors import Cancelled
 from specdec.models import LoadedModel, load_hf, tokenizer_fingerprint
 from specdec.scheduler import StepResult
 from specdec.sessions import SessionStore
@@ -59,8 +60,13 @@ class TransformersProposer(Proposer):
                 if not job.begin(self.lm.max_context):
                     outcomes[i] = job.proposal()
                     continue
+                try:
+                    session = self.lm.session(job.session_id, job.issued)
+                except Cancelled as exc:  # released since the call was made
+                    outcomes[i] = exc
+                    continue
                 active.append(i)
-                requests.append(ForwardRequest(self.lm.session(job.session_id), job.tokens + job.drafted, 1))
+                requests.append(ForwardRequest(session, job.tokens + job.drafted, 1))
             # Greedy jobs share a pass; each sampling job runs alone, so a seeded request's draft
             # probabilities (and so its output) never depend on the batch around it.
             greedy = [n for n, i in enumerate(active) if jobs[i].sampling.greedy]

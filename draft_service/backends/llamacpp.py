@@ -31,7 +31,7 @@ from draft_service.backends.ngram import find_continuation
 from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
 from specdec import sampling as sm
 from specdec.engine import ModelInfo
-from specdec.errors import ResourceExhausted
+from specdec.errors import Cancelled, ResourceExhausted
 from specdec.gguf_convert import draft_gguf
 from specdec.models import gguf_tokenizer_fingerprint
 from specdec.runtime import cpu_cores
@@ -171,7 +171,11 @@ class LlamaCppProposer(Proposer):
                     outcomes[i] = job.proposal()
                     continue
                 seq = job.tokens + job.drafted
-                session = self.store.get_or_create(job.session_id, lambda: None)
+                try:
+                    session = self.store.get_or_create(job.session_id, lambda: None, job.issued)
+                except Cancelled as exc:  # released since the call was made
+                    outcomes[i] = exc
+                    continue
                 cached = min(common_prefix_len(session.tokens, seq), len(seq) - 1) if session.cache is not None else 0
                 new = len(seq) - cached
                 if used and used + new > self.n_batch:

@@ -71,7 +71,8 @@ class DraftServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Free a session's KV cache now.
+        """Free a session's KV cache now. A Propose on the session made before the Release and still
+        waiting or drafting ends CANCELLED instead of bringing the session back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 import httpx
@@ -165,6 +167,27 @@ def stream(url: str, body: dict, timeout_s: float = 120.0, on_event=None, path: 
         out.error = f"{type(exc).__name__}: {exc}"
     out.ended = time.monotonic()
     return out
+
+
+def silent_stream(url: str, path: str, body: dict, headers: dict | None = None) -> socket.socket:
+    """Send a streaming request on a socket with a small receive buffer and never read it."""
+    parts = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((parts.hostname, parts.port))
+    data = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n{extra}"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def metric(url: str, name: str) -> float:
+    """The value of one sample of the orchestrator's /metrics (0 when absent)."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
 
 
 # ---- reports --------------------------------------------------------------------------------------

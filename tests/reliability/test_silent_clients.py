@@ -5,16 +5,13 @@ bounded buffers fill, its generation stops, both sessions are released and its s
 
 from __future__ import annotations
 
-import json
-import socket
 import time
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from tests.conftest import running_stack
-from tests.reliability.helpers import summarize, wait_released, write_report
+from tests.reliability.helpers import metric, silent_stream, summarize, wait_released, write_report
 
 pytestmark = [pytest.mark.reliability, pytest.mark.embedded]
 
@@ -31,25 +28,6 @@ def stack(tmp_path_factory):
            "SPECDEC_ORCHESTRATOR_MAX_TOKENS_LIMIT": str(MAX_TOKENS)}
     with running_stack(tmp_path_factory.mktemp("silent-logs"), env) as s:
         yield s
-
-
-def silent_stream(url: str, path: str, body: dict) -> socket.socket:
-    """Send a streaming request on a socket with a small receive buffer and never read it."""
-    parts = urlsplit(url)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((parts.hostname, parts.port))
-    data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
-
-
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def test_streams_whose_clients_never_read_are_cancelled_and_free_their_slots(stack):
