@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,13 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from orchestrator.auth import add_api_key_auth, grpc_security, may_see_details
 from orchestrator.clients import DraftClient, TargetClient
 from orchestrator.controller import CostModel
-from orchestrator.loop import (
-    DraftHealth,
-)
+from orchestrator.loop import DraftHealth
+from orchestrator.openai_api import router as openai_router
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.runtime import READY_RECHECK_S, Runtime, connect, keep_connected
 from orchestrator.schemas import GenerateRequest, GenerateResponse, Step
+from orchestrator.server_stats import router as server_router
 from orchestrator.service import (
+    Run,
     client_key,
     collect,
     prepare,
@@ -39,9 +40,11 @@ from orchestrator.service import (
 )
 from orchestrator.settings import OrchestratorSettings
 from orchestrator.streams import BoundedEventSource
-from specdec import params as sm
+from specdec.params import Sampling
 
 logger = logging.getLogger(__name__)
+
+
 class BodyLimit:
     """ASGI middleware: 413 for request bodies over ``max_bytes``, declared or streamed (chunked).
 
@@ -113,138 +116,158 @@ def _validation_error(request: Request, exc: RequestValidationError) -> Response
     return Response(body, status_code=422, media_type="application/json")
 
 
+def runtime(request: Request) -> Runtime:
+    """The app's :class:`Runtime` (a route dependency); 503 before start-up built it."""
+    rt = getattr(request.app.state, "rt", None)
+    if rt is None:
+        raise HTTPException(503, detail="the orchestrator is starting: retry shortly")
+    return rt
+
+
+def build_runtime(settings: OrchestratorSettings) -> Runtime:
+    """The services' pools, the draft's health and the cost model, not yet connected."""
+    def pool(kind: type, address: str, client: type, timeout_s: float, service: str) -> Any:
+        return kind(address, lambda addr, security: client(addr, timeout_s, security), grpc_security(settings, service),
+                    settings.replica_resolve_interval_s, settings.replica_probe_interval_s)
+
+    return Runtime(
+        settings=settings,
+        draft=pool(DraftPool, settings.draft_address, DraftClient, settings.draft_timeout_s, "draft"),
+        target=pool(TargetPool, settings.target_address, TargetClient, settings.target_timeout_s, "target"),
+        draft_health=DraftHealth(settings.draft_retry_s),
+        costs=CostModel(shared_host_max_streams=settings.shared_host_max_streams),
+    )
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Connect to both services at start (a service down is retried in the background), close at the end."""
+    settings: OrchestratorSettings = app.state.settings
+    rt = app.state.rt = build_runtime(settings)  # its channels belong to the server's event loop
+    await connect(rt)
+    rt.draft.start()
+    rt.target.start()
+    task = asyncio.create_task(keep_connected(rt))
+    logger.info("orchestrator: draft %s, target %s, %s", settings.draft_address, settings.target_address,
+                "ready" if not rt.not_ready else f"not ready: {rt.not_ready}")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await rt.draft.close()
+        await rt.target.close()
+        rt.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+
 def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
-    settings = settings or OrchestratorSettings()
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        rt = Runtime(
-            settings=settings,
-            draft=DraftPool(settings.draft_address,
-                            lambda address, security: DraftClient(address, settings.draft_timeout_s, security),
-                            grpc_security(settings, "draft"), settings.replica_resolve_interval_s,
-                            settings.replica_probe_interval_s),
-            target=TargetPool(settings.target_address,
-                              lambda address, security: TargetClient(address, settings.target_timeout_s, security),
-                              grpc_security(settings, "target"), settings.replica_resolve_interval_s,
-                              settings.replica_probe_interval_s),
-            draft_health=DraftHealth(settings.draft_retry_s),
-            costs=CostModel(shared_host_max_streams=settings.shared_host_max_streams),
-        )
-        app.state.rt = rt
-        await connect(rt)
-        rt.draft.start()
-        rt.target.start()
-        task = asyncio.create_task(keep_connected(rt))
-        logger.info("orchestrator: draft %s, target %s, %s", settings.draft_address, settings.target_address,
-                    "ready" if not rt.not_ready else f"not ready: {rt.not_ready}")
-        try:
-            yield
-        finally:
-            task.cancel()
-            await rt.draft.close()
-            await rt.target.close()
-            rt.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-
     app = FastAPI(
         title="specdec orchestrator",
         description="Speculative decoding: a draft model proposes, the target verifies; output equals the target's.",
         version="0.1.0",
         lifespan=lifespan,
     )
+    app.state.settings = settings = settings or OrchestratorSettings()
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)
     add_api_key_auth(app, settings)  # outermost: a request without a valid key is refused before its body is read
-
-    from orchestrator.openai_api import router as openai_router
-    from orchestrator.server_stats import router as server_router
-
+    app.include_router(ops_router)
+    app.include_router(generate_router)
     app.include_router(openai_router)
     app.include_router(server_router)  # GET /v1/server, and its background sampler
-
-    @app.get("/health", tags=["ops"])
-    async def health() -> dict[str, str]:
-        """The process is alive."""
-        return {"status": "ok"}
-
-    @app.get("/ready", tags=["ops"])
-    async def ready(request: Request) -> JSONResponse:
-        """The target reachable and every model compatible (re-checked on every call): 200, with
-        ``degraded`` saying why when requests decode without drafts (the draft unreachable; the
-        output is the same, only slower), 503 with ``reason`` otherwise. A draft outage must not
-        take every orchestrator out of a load balancer."""
-        rt: Runtime = request.app.state.rt
-        if rt.draining_since is not None:  # out of the load balancer while the streams in progress finish
-            return JSONResponse({"ready": False, "reason": "draining: the server is shutting down", "degraded": ""},
-                                status_code=503)
-        # Probes come often and from anyone: the services are asked again at most once a second.
-        if time.monotonic() - rt.checked_at >= READY_RECHECK_S:
-            await connect(rt)
-        body: dict[str, Any] = {"ready": not rt.not_ready, "reason": rt.not_ready, "degraded": rt.degraded}
-        if may_see_details(request):  # model paths, replica addresses, sessions: not for anonymous callers
-            body |= {"draft": rt.draft_info, "target": rt.target_info,
-                     "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()}}
-        return JSONResponse(body, status_code=200 if not rt.not_ready else 503)
-
-    @app.get("/metrics", tags=["ops"])
-    async def metrics() -> Response:
-        """Prometheus metrics."""
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/info", tags=["ops"])
-    async def info(request: Request) -> dict[str, Any]:
-        """Models, readiness and request defaults (what the dashboard shows)."""
-        rt: Runtime = request.app.state.rt
-        return {
-            "ready": not rt.not_ready,
-            "reason": rt.not_ready,
-            "degraded": rt.degraded,
-            "draft": rt.draft_info,
-            "target": rt.target_info,
-            "draft_available": rt.draft_health.usable(),
-            "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()},
-            "defaults": {
-                "controller": settings.default_controller, "k": settings.default_k, "max_k": settings.default_max_k,
-                "confidence_threshold": settings.default_confidence_threshold, "overlap": settings.default_overlap,
-                "max_tokens": settings.default_max_tokens, "max_tokens_limit": settings.max_tokens_limit,
-            },
-            "has_chat_template": bool(getattr(rt.tokenizer, "chat_template", None)),
-        }
-
-    @app.post("/v1/generate", response_model=GenerateResponse, tags=["generate"])
-    async def generate_route(body: GenerateRequest, request: Request) -> GenerateResponse:
-        """Generate a continuation of `prompt`; the response lists every speculative step."""
-        rt: Runtime = request.app.state.rt
-        prompt_ids = await tokenize(rt, client_key(request), request_prompt, rt, body)
-        run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos,
-                      sm.Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed)), client_key(request))
-        steps, result = await collect(run, request)
-        return GenerateResponse(
-            text=result["text"], token_ids=result["token_ids"], prompt_tokens=run.prompt_tokens,
-            finish_reason=result["finish_reason"], mode=body.mode, controller=run.controller_name,
-            steps=[to_step(s) for s in steps] if body.include_steps else [], stats=result["stats"],
-        )
-
-    @app.post("/v1/generate/stream", tags=["generate"])
-    async def generate_stream(body: GenerateRequest, request: Request) -> BoundedEventSource:
-        """The same as /v1/generate as server-sent events: a `step` event per iteration (accepted and
-        rejected draft tokens, correction or bonus, text delta, timings), then one `done` event."""
-        rt: Runtime = request.app.state.rt
-        prompt_ids = await tokenize(rt, client_key(request), request_prompt, rt, body)
-        run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos,
-                      sm.Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed)), client_key(request))
-        events = await start_stream(run, request)
-
-        async def sse() -> AsyncIterator[dict[str, str]]:
-            async for kind, payload in events:
-                if kind == "step":
-                    payload = {**payload, "token_texts": [rt.tokenizer.decode([t]) for t in payload["draft"]],
-                               "next_token_text": rt.tokenizer.decode([payload["next_token"]])}
-                yield {"event": kind, "data": json.dumps(payload)}
-
-        return BoundedEventSource(sse(), rt.settings.stream_send_timeout_s)
-
     return app
+
+
+ops_router = APIRouter(tags=["ops"])
+generate_router = APIRouter(tags=["generate"])
+
+
+@ops_router.get("/health")
+async def health() -> dict[str, str]:
+    """The process is alive."""
+    return {"status": "ok"}
+
+
+@ops_router.get("/ready")
+async def ready(request: Request, rt: Runtime = Depends(runtime)) -> JSONResponse:
+    """The target reachable and every model compatible (re-checked on every call): 200, with
+    ``degraded`` saying why when requests decode without drafts (the draft unreachable; the
+    output is the same, only slower), 503 with ``reason`` otherwise. A draft outage must not
+    take every orchestrator out of a load balancer."""
+    if rt.draining_since is not None:  # out of the load balancer while the streams in progress finish
+        return JSONResponse({"ready": False, "reason": "draining: the server is shutting down", "degraded": ""},
+                            status_code=503)
+    # Probes come often and from anyone: the services are asked again at most once a second.
+    if time.monotonic() - rt.checked_at >= READY_RECHECK_S:
+        await connect(rt)
+    body: dict[str, Any] = {"ready": not rt.not_ready, "reason": rt.not_ready, "degraded": rt.degraded}
+    if may_see_details(request):  # model paths, replica addresses, sessions: not for anonymous callers
+        body |= {"draft": rt.draft_info, "target": rt.target_info,
+                 "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()}}
+    return JSONResponse(body, status_code=200 if not rt.not_ready else 503)
+
+
+@ops_router.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus metrics."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+@ops_router.get("/v1/info")
+async def info(rt: Runtime = Depends(runtime)) -> dict[str, Any]:
+    """Models, readiness and request defaults (what the dashboard shows)."""
+    settings = rt.settings
+    return {
+        "ready": not rt.not_ready,
+        "reason": rt.not_ready,
+        "degraded": rt.degraded,
+        "draft": rt.draft_info,
+        "target": rt.target_info,
+        "draft_available": rt.draft_health.usable(),
+        "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()},
+        "defaults": {
+            "controller": settings.default_controller, "k": settings.default_k, "max_k": settings.default_max_k,
+            "confidence_threshold": settings.default_confidence_threshold, "overlap": settings.default_overlap,
+            "max_tokens": settings.default_max_tokens, "max_tokens_limit": settings.max_tokens_limit,
+        },
+        "has_chat_template": bool(getattr(rt.tokenizer, "chat_template", None)),
+    }
+
+
+async def _prepare(rt: Runtime, body: GenerateRequest, request: Request) -> Run:
+    prompt_ids = await tokenize(rt, client_key(request), request_prompt, rt, body)
+    return prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos,
+                   Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed)), client_key(request))
+
+
+@generate_router.post("/v1/generate", response_model=GenerateResponse)
+async def generate_route(body: GenerateRequest, request: Request, rt: Runtime = Depends(runtime)) -> GenerateResponse:
+    """Generate a continuation of `prompt`; the response lists every speculative step."""
+    run = await _prepare(rt, body, request)
+    steps, result = await collect(run, request)
+    return GenerateResponse(
+        text=result["text"], token_ids=result["token_ids"], prompt_tokens=run.prompt_tokens,
+        finish_reason=result["finish_reason"], mode=body.mode, controller=run.controller_name,
+        steps=[to_step(s) for s in steps] if body.include_steps else [], stats=result["stats"],
+    )
+
+
+@generate_router.post("/v1/generate/stream")
+async def generate_stream(body: GenerateRequest, request: Request,
+                          rt: Runtime = Depends(runtime)) -> BoundedEventSource:
+    """The same as /v1/generate as server-sent events: a `step` event per iteration (accepted and
+    rejected draft tokens, correction or bonus, text delta, timings), then one `done` event."""
+    run = await _prepare(rt, body, request)
+    events = await start_stream(run, request)
+    tokenizer = rt.tokenizer
+
+    async def sse() -> AsyncIterator[dict[str, str]]:
+        async for kind, payload in events:
+            if kind == "step":
+                payload = {**payload, "token_texts": [tokenizer.decode([t]) for t in payload["draft"]],
+                           "next_token_text": tokenizer.decode([payload["next_token"]])}
+            yield {"event": kind, "data": json.dumps(payload)}
+
+    return BoundedEventSource(sse(), rt.settings.stream_send_timeout_s)
 
 
 def to_step(s: dict[str, Any]) -> Step:

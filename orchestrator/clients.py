@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Histogram
 
-from specdec import params as sm
 from specdec.auth import ChannelSecurity, aio_channel
 from specdec.convert import sampling_to_pb
+from specdec.params import Sampling
 from specdec.server import MAX_MESSAGE_BYTES
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -117,7 +117,7 @@ class DraftClient(_Client):
         self.stub = pb_grpc.DraftServiceStub(self.channel)
 
     async def propose(self, session_id: str, tokens: Sequence[int], k: int, threshold: float,
-                      sampling: sm.Sampling, yield_cores: bool = False) -> Proposed:
+                      sampling: Sampling, yield_cores: bool = False) -> Proposed:
         request = pb.ProposeRequest(
             session_id=session_id, tokens=tokens, max_draft_tokens=k, confidence_threshold=threshold,
             sampling=sampling_to_pb(sampling), return_distributions=not sampling.greedy, yield_cores=yield_cores,
@@ -155,7 +155,7 @@ class TargetClient(_Client):
         super().__init__(address, timeout_s, security)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
 
-    async def verify(self, session_id: str, tokens: Sequence[int], draft: Sequence[int], sampling: sm.Sampling,
+    async def verify(self, session_id: str, tokens: Sequence[int], draft: Sequence[int], sampling: Sampling,
                      distributions: Sequence[tuple[list[int], list[float]]] = (),
                      return_target_probs: bool = True, yield_cores: bool = False) -> Verified:
         request = pb.VerifyRequest(

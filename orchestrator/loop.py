@@ -31,7 +31,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from orchestrator.clients import DraftClient, Proposed, TargetClient
 from orchestrator.controller import Controller, StepObservation
-from specdec import params as sm
+from specdec.params import Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ _BACKGROUND: set[asyncio.Task] = set()
 class GenerationParams:
     prompt_ids: list[int]
     max_tokens: int
-    sampling: sm.Sampling = field(default_factory=sm.Sampling)
+    sampling: Sampling = field(default_factory=Sampling)
     stop: list[str] = field(default_factory=list)
     mode: Mode = "speculative"
     confidence_threshold: float = 0.0
@@ -145,6 +145,18 @@ class GenerationStats:
     predrafted: int = 0  # steps whose draft came from a pre-draft (overlapped mode)
     predrafts_dropped: int = 0  # pre-drafts cancelled or unusable (rejection, or a different bonus token)
     draft_catch_ups: int = 0  # background Proposes that brought the draft's cache up to date (steps ran plainly meanwhile)
+
+    def record_step(self, tokens: int, proposed: int, accepted: int, draft_ms: float, verify_ms: float,
+                    draft_compute_ms: float, verify_compute_ms: float, overhead_ms: float) -> None:
+        self.iterations += 1
+        self.tokens += tokens
+        self.proposed += proposed
+        self.accepted += accepted
+        self.draft_ms += draft_ms
+        self.verify_ms += verify_ms
+        self.draft_compute_ms += draft_compute_ms
+        self.verify_compute_ms += verify_compute_ms
+        self.overhead_ms += overhead_ms
 
     def to_dict(self) -> dict[str, Any]:
         it = max(self.iterations, 1)
@@ -259,6 +271,332 @@ class Detokenizer:
         return self.decode(self.ids)
 
 
+@dataclass
+class GenerationResult:
+    """How a generation ended: the last item ``generate`` yields, after its steps."""
+
+    finish_reason: str  # "stop" (EOS or stop string), "length" (max_tokens or context), "cancelled"
+    text: str
+    stats: GenerationStats
+
+
+@dataclass
+class _Step:
+    """One iteration in the making: what each stage of :class:`SpeculativeRequest` found."""
+
+    t_start: float
+    k: int = 0
+    draft_error: str = ""
+    proposal: Proposed | None = None
+    draft_ms: float = 0.0  # the Propose's wall time (0 for a pre-draft: counted in the step that made it)
+    draft_wait_ms: float = 0.0  # what this step waited for drafts
+    predrafted: bool = False
+    tokens: list[int] = field(default_factory=list)  # the draft verified
+    verified: Any = None  # the target's Verified answer
+    new: list[int] = field(default_factory=list)  # tokens appended
+    kind: Literal["bonus", "correction", "plain"] = "plain"
+    done: bool = False
+    text: str = ""
+
+
+class SpeculativeRequest:
+    """One generation: the sequence, the draft's view of it, pre-draft and catch-up state, and a
+    method per stage of a step (choose k, get a draft, verify, accept, settle the pre-draft,
+    record). :func:`generate` drives it."""
+
+    def __init__(self, params: GenerationParams, draft: DraftClient, target: TargetClient, controller: Controller,
+                 limits: ModelLimits, draft_health: DraftHealth, decode: Callable[[list[int]], str],
+                 in_progress: Callable[[], int]) -> None:
+        self.params, self.draft, self.target, self.controller = params, draft, target, controller
+        self.limits, self.draft_health, self.in_progress = limits, draft_health, in_progress
+        self.session_id = uuid.uuid4().hex
+        self.seq = list(params.prompt_ids)
+        self.start = len(self.seq)
+        self.stats = GenerationStats()
+        self.detok = Detokenizer(decode, params.stop)
+        speculative = params.mode == "speculative"
+        self.can_overlap = speculative and params.overlap is not False and params.sampling.greedy
+        self.draft_ok = speculative  # cleared when the draft rejects this request's input
+        self.used_draft = False  # even a failed call may have created a draft session
+        self.finish = "length"
+        self.t_start = time.perf_counter()
+        # RPCs in flight, shielded from cancellation: when the client goes away mid-call, the Release
+        # must reach each service after its call, or the call would re-create the session.
+        self.inflight: set[asyncio.Future] = set()
+        self.predraft: asyncio.Future | None = None  # overlapped: Propose of the next block, sent with this Verify
+        self.catching_up: asyncio.Future | None = None  # a Propose bringing the draft's cache up to date, off the critical path
+        self.draft_seen = 0  # leading tokens of seq the draft's cache holds (as far as this loop knows)
+        self.ready: Proposed | None = None  # overlapped: the next block's draft, from that pre-draft
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def track(self, coro: Any) -> asyncio.Future:
+        future = asyncio.ensure_future(coro)
+        self.inflight.add(future)
+        future.add_done_callback(self.inflight.discard)
+        # a dropped pre-draft may fail unobserved: its failure is not the request's
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return future
+
+    async def call(self, coro: Any) -> Any:
+        return await asyncio.shield(self.track(coro))
+
+    def draft_failed(self, exc: grpc.aio.AioRpcError) -> str:
+        error = f"{exc.code().name}: {exc.details()}"
+        DRAFT_FALLBACKS.labels(exc.code().name.lower()).inc()
+        self.stats.draft_fallbacks += 1
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            self.draft_ok = False  # this input will not suit the draft; the service is fine
+        elif exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is not down: skip this step only
+            self.draft_health.failed(error)
+        return error
+
+    def drop_predraft(self) -> None:
+        if self.predraft is not None:
+            self.predraft.cancel()  # the draft service drops it before its next draft step
+            self.stats.predrafts_dropped += 1
+            self.predraft = None
+
+    # -- the stages of a step --------------------------------------------------------------------
+
+    def remaining(self) -> int:
+        generated = len(self.seq) - self.start
+        return min(self.params.max_tokens - generated, self.limits.target_max_context - len(self.seq))
+
+    def overlap_now(self) -> bool:
+        """auto (None): overlapped for a lone request whose draft computes on another host. On a
+        shared host the overlapped verify gives up cores to the draft and measured slower than
+        alternating since verify costs about one plain step (docs/performance.md)."""
+        return self.can_overlap and (self.params.overlap is True
+                                     or (self.in_progress() <= 1 and not self.limits.draft_shares_host))
+
+    def choose_k(self, step: _Step, remaining: int) -> None:
+        """1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left."""
+        limits = self.limits
+        if self.draft_ok and self.draft_health.usable() and len(self.seq) < limits.draft_max_context - 1:
+            step.k = min(self.controller.next_k(), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
+        if self.catching_up is not None:
+            self._collect_catch_up(step)
+        elif (step.k > 0 and self.ready is None and len(self.seq) - self.draft_seen > CATCH_UP_IN_BACKGROUND
+              and self.params.sampling.greedy):
+            self._start_catch_up(step)
+
+    def _collect_catch_up(self, step: _Step) -> None:
+        if not self.catching_up.done():
+            step.k = 0
+            return
+        try:
+            self.catching_up.result()
+            self.draft_health.succeeded()
+        except grpc.aio.AioRpcError as exc:
+            # reported with this step, which runs without a draft because of it
+            step.draft_error = self.draft_failed(exc)
+            step.k = 0  # the draft is down (or refused this input): no Propose right after
+        except asyncio.CancelledError:
+            pass
+        self.catching_up = None
+
+    def _start_catch_up(self, step: _Step) -> None:
+        """1.1 A draft far behind (the prompt at the first step, or after plain steps) would make
+        this step wait for its prefill: it catches up in the background instead, with a one-token
+        Propose whose answer only fills its cache, while the steps go on plainly. Greedy only: the
+        plain steps it causes depend on timing, and a seeded sample depends on the k schedule
+        (greedy output never does)."""
+        step.k = 0
+        if self.controller.probing:  # a probe is worth a short Propose, not a prefill of everything missed
+            return
+        if self.stats.iterations == 0 and self.limits.draft_shares_host:
+            # The prompt's prefill goes first, alone: beside the draft's prefill on the same cores
+            # the first token came 3-4x later than plain decoding's (docs/performance.md). The
+            # catch-up starts with the next step, beside cheap plain steps.
+            return
+        # plain steps run beside it: it leaves the target its cores
+        p = self.params
+        self.catching_up = self.track(self.draft.propose(self.session_id, list(self.seq), 1, p.confidence_threshold,
+                                                         p.sampling, yield_cores=self.limits.draft_shares_host))
+        self.used_draft = True
+        self.draft_seen = len(self.seq)
+        self.stats.draft_catch_ups += 1
+
+    async def fetch_draft(self, step: _Step) -> None:
+        """2. Fetch the draft (a failure only costs this step its draft): the pre-draft when the
+        last step left one, else a Propose now."""
+        step.predrafted = self.ready is not None and step.k > 0
+        if step.predrafted:
+            step.proposal = _tokens(self.ready, 0, step.k)
+            self.stats.predrafted += 1
+        elif step.k > 0:
+            t_draft = time.perf_counter()
+            self.used_draft = True
+            p = self.params
+            try:
+                # Alone, the target idles while the draft drafts: the draft may take every core.
+                busy = self.in_progress() > 1 or TargetClient.in_flight > 0
+                step.proposal = await self.call(self.draft.propose(
+                    self.session_id, self.seq, step.k, p.confidence_threshold, p.sampling,
+                    yield_cores=self.limits.draft_shares_host and busy))
+                step.draft_ms = step.proposal.wall_ms
+                self.draft_health.succeeded()
+            except grpc.aio.AioRpcError as exc:
+                # a failed call still cost its wait (up to the deadline): count it as draft time
+                step.draft_ms = (time.perf_counter() - t_draft) * 1e3
+                step.draft_error = self.draft_failed(exc)
+        step.draft_wait_ms = 0.0 if step.predrafted else step.draft_ms
+        if self.ready is not None and not step.predrafted:
+            self.stats.predrafts_dropped += 1  # the controller chose a plain step
+        self.ready = None
+        step.tokens = step.proposal.tokens if step.proposal else []
+
+    def start_predraft(self, step: _Step, remaining: int) -> None:
+        """3. (overlapped) The draft drafts the next block while the target verifies this one, as
+        if this one were accepted whole (its first token: a guess of the bonus token)."""
+        limits, p = self.limits, self.params
+        pre_k = min(step.k + 1, remaining - len(step.tokens) - 1, limits.draft_max_draft)
+        if step.tokens and pre_k >= 2 and len(self.seq) + len(step.tokens) < limits.draft_max_context - 1:
+            self.predraft = self.track(self.draft.propose(self.session_id, self.seq + step.tokens, pre_k,
+                                                          p.confidence_threshold, p.sampling,
+                                                          yield_cores=limits.draft_shares_host))
+
+    async def verify(self, step: _Step) -> None:
+        """3. Verify in one target pass."""
+        p = self.params
+        try:
+            try:
+                step.verified = await verify_when_admitted(self.call, functools.partial(
+                    self.target.verify, self.session_id, self.seq, step.tokens, p.sampling,
+                    step.proposal.distributions if step.proposal else (),
+                    yield_cores=self.limits.draft_shares_host and (self.predraft is not None
+                                                                   or DraftClient.in_flight > 0)))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not step.tokens:
+                    raise
+                # The draft's output, not the user's input, was refused (say, ids outside the
+                # target's vocabulary): verify this step without it, and stop drafting for this request.
+                logger.warning("target refused the draft (%s); continuing without drafts", exc.details())
+                step.draft_error = f"target refused the draft: {exc.details()}"
+                DRAFT_FALLBACKS.labels("refused_by_target").inc()
+                self.stats.draft_fallbacks += 1
+                self.draft_ok = False
+                self.drop_predraft()
+                step.proposal, step.tokens = None, []
+                step.verified = await self.call(self.target.verify(self.session_id, self.seq, [], p.sampling))
+        except grpc.aio.AioRpcError as exc:
+            self.drop_predraft()
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise BadRequest(exc.details()) from exc
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise TargetBusy(f"target service is busy: {exc.details()}") from exc
+            raise TargetUnavailable(f"target service: {exc.code().name}: {exc.details()}") from exc
+        PREFIX_TOKENS.labels("cached").inc(step.verified.cached_tokens)
+        PREFIX_TOKENS.labels("computed").inc(max(len(self.seq) - step.verified.cached_tokens, 0))
+
+    def accept(self, step: _Step, remaining: int) -> None:
+        """4. Accept: the accepted draft prefix, then the target's own token (cut at EOS, the
+        request's length and the context), and the text they add."""
+        v, tokens = step.verified, step.tokens
+        new = tokens[: v.num_accepted] + [v.next_token]
+        if tokens:  # the draft's cache holds seq and the drafted tokens the target accepted
+            self.draft_seen = len(self.seq) + v.num_accepted
+        step.kind = "plain" if not tokens else ("bonus" if v.num_accepted == len(tokens) else "correction")
+        if not self.params.ignore_eos:
+            eos_at = next((i for i, t in enumerate(new) if t in self.limits.eos_token_ids), None)
+            if eos_at is not None:
+                new = new[: eos_at + 1]
+                self.finish = "stop"
+        step.new = new[:remaining]
+        self.seq.extend(step.new)
+        step.done = (self.finish == "stop" or len(self.seq) - self.start >= self.params.max_tokens
+                     or len(self.seq) >= self.limits.target_max_context)
+        step.text = self.detok.push(step.new, final=step.done)
+        if self.detok.stopped:
+            self.finish, step.done = "stop", True
+
+    async def settle_predraft(self, step: _Step) -> None:
+        """4.1 Overlapped: keep the pre-draft if the target took the whole block and its own token
+        is the pre-draft's first; otherwise drop it (the next Propose crops)."""
+        if self.predraft is None:
+            return
+        if step.kind != "bonus" or step.done:
+            self.drop_predraft()
+            return
+        t_wait = time.perf_counter()
+        try:
+            pre = await asyncio.shield(self.predraft)
+            self.draft_health.succeeded()
+            if pre.tokens[:1] == [step.verified.next_token] and len(pre.tokens) > 1:
+                self.ready = _tokens(pre, 1, len(pre.tokens))
+            else:
+                self.stats.predrafts_dropped += 1
+        except grpc.aio.AioRpcError as exc:
+            step.draft_error = self.draft_failed(exc)
+            self.stats.predrafts_dropped += 1
+        step.draft_wait_ms += (time.perf_counter() - t_wait) * 1e3  # the draft was slower than the target
+        self.predraft = None
+
+    def record(self, step: _Step) -> StepEvent:
+        """5. Adapt k and account: the controller, the request's stats and the metrics each see the
+        step once; the event is what clients get."""
+        v, proposal, tokens, stats = step.verified, step.proposal, step.tokens, self.stats
+        step_ms = (time.perf_counter() - step.t_start) * 1e3
+        self.controller.observe(StepObservation(
+            k=step.k, proposed=len(tokens), accepted=v.num_accepted, draft_ms=step.draft_ms, verify_ms=v.wall_ms,
+            draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=stats.iterations > 0,
+            draft_catch_up=(len(self.seq) - len(step.new) - proposal.cached_tokens
+                            if proposal and not step.predrafted else 0),
+            verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
+            draft_sessions=proposal.batch_sessions if proposal else 1.0,
+            verify_cpu_ms=v.step_cpu_ms, draft_step_cpu_ms=proposal.step_cpu_ms if proposal else 0.0,
+            predrafted=step.predrafted,
+        ))
+        # The step's time split as the stream lived it: draft time is what it waited for drafts.
+        overhead_ms = max(step_ms - step.draft_wait_ms - v.wall_ms, 0.0)
+        draft_compute_ms = proposal.compute_ms if proposal else 0.0
+        stats.record_step(len(step.new), len(tokens), v.num_accepted, step.draft_wait_ms, v.wall_ms,
+                          draft_compute_ms, v.compute_ms, overhead_ms)
+        if stats.iterations == 1:
+            stats.first_token_ms = (time.perf_counter() - self.t_start) * 1e3
+        _count_step(self.params.mode, len(step.new), len(tokens), v.num_accepted)
+        return StepEvent(
+            index=stats.iterations - 1, k=step.k, draft=tokens,
+            draft_confidences=proposal.confidences if proposal else [],
+            target_probs=v.target_probs, accepted=v.num_accepted, next_token=v.next_token, next_kind=step.kind,
+            next_token_prob=v.next_token_prob, tokens=step.new, text=step.text, draft_ms=step.draft_wait_ms,
+            verify_ms=v.wall_ms, draft_compute_ms=draft_compute_ms, verify_compute_ms=v.compute_ms,
+            overhead_ms=overhead_ms, draft_stop_reason=proposal.stop_reason if proposal else "",
+            draft_error=step.draft_error, batch_sessions=v.batch_sessions, batch_rows=v.batch_rows,
+            draft_batch_sessions=proposal.batch_sessions if proposal else 0.0, predrafted=step.predrafted,
+        )
+
+    def result(self) -> GenerationResult:
+        stats = self.stats
+        stats.elapsed_ms = (time.perf_counter() - self.t_start) * 1e3
+        if stats.elapsed_ms > 0:
+            TOKENS_PER_SECOND.labels(self.params.mode).observe(stats.tokens / (stats.elapsed_ms / 1e3))
+        text = self.detok.text
+        return GenerationResult(self.finish, _cut_at_stop(text, self.params.stop) if self.detok.stopped else text, stats)
+
+    def close(self) -> None:
+        """Free both caches now, even when cancelled; never let cleanup fail the request."""
+        self.drop_predraft()
+        if self.catching_up is not None:
+            self.catching_up.cancel()  # the session is released next: its cache is of no more use
+        clients = [self.target] + ([self.draft] if self.used_draft else [])
+        task = asyncio.get_running_loop().create_task(_release(clients, self.session_id, set(self.inflight)))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+
+def _count_step(mode: str, generated: int, proposed: int, accepted: int) -> None:
+    STEPS.labels(mode).inc()
+    GENERATED_TOKENS.labels(mode).inc(generated)
+    if proposed:
+        DRAFTS.inc()
+        DRAFT_TOKENS.inc(proposed)
+        ACCEPTED_TOKENS.inc(accepted)
+        for pos in range(accepted):
+            ACCEPTED_PER_POSITION.labels(str(pos)).inc()
+
+
 async def generate(
     params: GenerationParams,
     draft: DraftClient,
@@ -269,277 +607,43 @@ async def generate(
     decode: Callable[[list[int]], str],
     is_disconnected: Callable[[], Any] | None = None,
     in_progress: Callable[[], int] = lambda: 1,
-) -> AsyncIterator[StepEvent | tuple[str, str, GenerationStats]]:
-    """Run the loop; yield a StepEvent per iteration, then (finish_reason, text, stats).
+) -> AsyncIterator[StepEvent | GenerationResult]:
+    """Run the loop; yield a StepEvent per iteration, then a GenerationResult.
 
     ``in_progress``: generations the server is running now, this one included (overlap ``None``:
     overlapped while it is 1 and the draft does not share the target's host).
 
-    finish_reason: "stop" (EOS or stop string), "length" (max_tokens or context), "cancelled".
     Raises TargetUnavailable or BadRequest when the target fails.
     """
-    session_id = uuid.uuid4().hex
-    seq = list(params.prompt_ids)
-    start = len(seq)
-    stats = GenerationStats()
-    detok = Detokenizer(decode, params.stop)
-    speculative = params.mode == "speculative"
-    can_overlap = speculative and params.overlap is not False and params.sampling.greedy
-    draft_ok_for_request = speculative  # cleared when the draft rejects this request's input
-    used_draft = False
-    finish = "length"
-    t_start = time.perf_counter()
-    # RPCs in flight, shielded from cancellation: when the client goes away mid-call, the Release
-    # below must reach each service after its call, or the call would re-create the session.
-    inflight: set[asyncio.Future] = set()
-    predraft: asyncio.Future | None = None  # overlapped: Propose of the next block, sent with this Verify
-    catching_up: asyncio.Future | None = None  # a Propose that brings the draft's cache up to date, off the critical path
-    draft_seen = 0  # leading tokens of seq the draft's cache holds (as far as this loop knows)
-    ready: Proposed | None = None  # overlapped: the next block's draft, from that pre-draft
-
-    def track(coro: Any) -> asyncio.Future:
-        future = asyncio.ensure_future(coro)
-        inflight.add(future)
-        future.add_done_callback(inflight.discard)
-        # a dropped pre-draft may fail unobserved: its failure is not the request's
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return future
-
-    async def call(coro: Any) -> Any:
-        return await asyncio.shield(track(coro))
-
-    def draft_failed(exc: grpc.aio.AioRpcError) -> str:
-        nonlocal draft_ok_for_request
-        error = f"{exc.code().name}: {exc.details()}"
-        DRAFT_FALLBACKS.labels(exc.code().name.lower()).inc()
-        stats.draft_fallbacks += 1
-        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            draft_ok_for_request = False  # this input will not suit the draft; the service is fine
-        elif exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is not down: skip this step only
-            draft_health.failed(error)
-        return error
-
-    def drop_predraft() -> None:
-        nonlocal predraft
-        if predraft is not None:
-            predraft.cancel()  # the draft service drops it before its next draft step
-            stats.predrafts_dropped += 1
-            predraft = None
-
+    req = SpeculativeRequest(params, draft, target, controller, limits, draft_health, decode, in_progress)
     ACTIVE.inc()
     try:
         while True:
-            t_step = time.perf_counter()
+            step = _Step(t_start=time.perf_counter())
             if is_disconnected is not None and await is_disconnected():
-                finish = "cancelled"
+                req.finish = "cancelled"
                 break
-            generated = len(seq) - start
-            remaining = min(params.max_tokens - generated, limits.target_max_context - len(seq))
+            remaining = req.remaining()
             if remaining <= 0:
-                finish = "length"
+                req.finish = "length"
                 break
-            # auto (None): overlapped for a lone request whose draft computes on another host. On a
-            # shared host the overlapped verify gives up cores to the draft and measured slower than
-            # alternating since verify costs about one plain step (docs/performance.md).
-            overlap = can_overlap and (params.overlap is True
-                                       or (in_progress() <= 1 and not limits.draft_shares_host))
+            overlap = req.overlap_now()
             controller.overlap = overlap  # the cost controller prices k for the schedule it gets
-            # 1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left.
-            k = 0
-            if draft_ok_for_request and draft_health.usable() and len(seq) < limits.draft_max_context - 1:
-                k = min(controller.next_k(), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
-            # 1.1 A draft far behind (the prompt at the first step, or after plain steps) would make
-            #     this step wait for its prefill: it catches up in the background instead, with a
-            #     one-token Propose whose answer only fills its cache, while the steps go on plainly.
-            #     Greedy only: the plain steps it causes depend on timing, and a seeded sample
-            #     depends on the k schedule (greedy output never does).
-            catch_up_error = ""
-            if catching_up is not None:
-                if catching_up.done():
-                    try:
-                        catching_up.result()
-                        draft_health.succeeded()
-                    except grpc.aio.AioRpcError as exc:
-                        # reported with this step, which runs without a draft because of it
-                        catch_up_error = draft_failed(exc)
-                        k = 0  # the draft is down (or refused this input): no Propose right after
-                    except asyncio.CancelledError:
-                        pass
-                    catching_up = None
-                else:
-                    k = 0
-            elif k > 0 and ready is None and len(seq) - draft_seen > CATCH_UP_IN_BACKGROUND and params.sampling.greedy:
-                if controller.probing:  # a probe is worth a short Propose, not a prefill of everything missed
-                    k = 0
-                elif stats.iterations == 0 and limits.draft_shares_host:
-                    # The prompt's prefill goes first, alone: beside the draft's prefill on the same
-                    # cores the first token came 3-4x later than plain decoding's (docs/performance.md).
-                    # The catch-up starts with the next step, beside cheap plain steps.
-                    k = 0
-                else:
-                    # plain steps run beside it: it leaves the target its cores
-                    catching_up = track(draft.propose(session_id, list(seq), 1, params.confidence_threshold,
-                                                      params.sampling, yield_cores=limits.draft_shares_host))
-                    used_draft = True
-                    draft_seen = len(seq)
-                    stats.draft_catch_ups += 1
-                    k = 0
-            K_CHOSEN.observe(max(k, 0))
-            # 2. Fetch the draft (a failure only costs this step its draft): the pre-draft when the
-            #    last step left one, else a Propose now.
-            proposal, draft_error, draft_ms = None, catch_up_error, 0.0
-            predrafted = ready is not None and k > 0
-            if predrafted:
-                proposal = _tokens(ready, 0, k)
-                stats.predrafted += 1
-            elif k > 0:
-                t_draft = time.perf_counter()
-                used_draft = True  # even a failed call may have created the session
-                try:
-                    # Alone, the target idles while the draft drafts: the draft may take every core.
-                    busy = in_progress() > 1 or TargetClient.in_flight > 0
-                    proposal = await call(draft.propose(session_id, seq, k, params.confidence_threshold,
-                                                        params.sampling, yield_cores=limits.draft_shares_host and busy))
-                    draft_ms = proposal.wall_ms
-                    draft_health.succeeded()
-                except grpc.aio.AioRpcError as exc:
-                    # a failed call still cost its wait (up to the deadline): count it as draft time
-                    draft_ms = (time.perf_counter() - t_draft) * 1e3
-                    draft_error = draft_failed(exc)
-            draft_wait_ms = 0.0 if predrafted else draft_ms  # a pre-draft's wait is counted in the step that made it
-            if ready is not None and not predrafted:
-                stats.predrafts_dropped += 1  # the controller chose a plain step
-            ready = None
-            tokens = proposal.tokens if proposal else []
-            # 3. Verify in one target pass; overlapped, the draft drafts the next block meanwhile,
-            #    as if this one were accepted whole (its first token: a guess of the bonus token).
-            pre_k = min(k + 1, remaining - len(tokens) - 1, limits.draft_max_draft)
-            if overlap and tokens and pre_k >= 2 and len(seq) + len(tokens) < limits.draft_max_context - 1:
-                predraft = track(draft.propose(session_id, seq + tokens, pre_k, params.confidence_threshold,
-                                               params.sampling, yield_cores=limits.draft_shares_host))
-            try:
-                try:
-                    v = await verify_when_admitted(call, functools.partial(
-                        target.verify, session_id, seq, tokens, params.sampling, proposal.distributions if proposal else (),
-                        yield_cores=limits.draft_shares_host and (predraft is not None or DraftClient.in_flight > 0)))
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not tokens:
-                        raise
-                    # The draft's output, not the user's input, was refused (say, ids outside the
-                    # target's vocabulary): verify this step without it, and stop drafting for this request.
-                    logger.warning("target refused the draft (%s); continuing without drafts", exc.details())
-                    draft_error = f"target refused the draft: {exc.details()}"
-                    DRAFT_FALLBACKS.labels("refused_by_target").inc()
-                    stats.draft_fallbacks += 1
-                    draft_ok_for_request = False
-                    drop_predraft()
-                    proposal, tokens = None, []
-                    v = await call(target.verify(session_id, seq, tokens, params.sampling))
-            except grpc.aio.AioRpcError as exc:
-                drop_predraft()
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise BadRequest(exc.details()) from exc
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise TargetBusy(f"target service is busy: {exc.details()}") from exc
-                raise TargetUnavailable(f"target service: {exc.code().name}: {exc.details()}") from exc
-            PREFIX_TOKENS.labels("cached").inc(v.cached_tokens)
-            PREFIX_TOKENS.labels("computed").inc(max(len(seq) - v.cached_tokens, 0))
-            # 4. Accept: the accepted draft prefix, then the target's own token.
-            new = tokens[: v.num_accepted] + [v.next_token]
-            if tokens:  # the draft's cache holds seq and the drafted tokens the target accepted
-                draft_seen = len(seq) + v.num_accepted
-            kind = "plain" if not tokens else ("bonus" if v.num_accepted == len(tokens) else "correction")
-            if not params.ignore_eos:
-                eos_at = next((i for i, t in enumerate(new) if t in limits.eos_token_ids), None)
-                if eos_at is not None:
-                    new = new[: eos_at + 1]
-                    finish = "stop"
-            new = new[:remaining]
-            seq.extend(new)
-            done = finish == "stop" or len(seq) - start >= params.max_tokens or len(seq) >= limits.target_max_context
-            delta = detok.push(new, final=done)
-            if detok.stopped:
-                finish, done = "stop", True
-            # 4.1 Overlapped: keep the pre-draft if the target took the whole block and its own
-            #     token is the pre-draft's first; otherwise drop it (the next Propose crops).
-            if predraft is not None:
-                if kind == "bonus" and not done:
-                    t_wait = time.perf_counter()
-                    try:
-                        pre = await asyncio.shield(predraft)
-                        draft_health.succeeded()
-                        if pre.tokens[:1] == [v.next_token] and len(pre.tokens) > 1:
-                            ready = _tokens(pre, 1, len(pre.tokens))
-                        else:
-                            stats.predrafts_dropped += 1
-                    except grpc.aio.AioRpcError as exc:
-                        draft_error = draft_failed(exc)
-                        stats.predrafts_dropped += 1
-                    draft_wait_ms += (time.perf_counter() - t_wait) * 1e3  # the draft was slower than the target
-                    predraft = None
-                else:
-                    drop_predraft()
-            # 5. Adapt k and account.
-            step_ms = (time.perf_counter() - t_step) * 1e3
-            controller.observe(StepObservation(
-                k=k, proposed=len(tokens), accepted=v.num_accepted, draft_ms=draft_ms, verify_ms=v.wall_ms,
-                draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=stats.iterations > 0,
-                draft_catch_up=len(seq) - len(new) - proposal.cached_tokens if proposal and not predrafted else 0,
-                verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
-                draft_sessions=proposal.batch_sessions if proposal else 1.0,
-                verify_cpu_ms=v.step_cpu_ms, draft_step_cpu_ms=proposal.step_cpu_ms if proposal else 0.0,
-                predrafted=predrafted,
-            ))
-            stats.iterations += 1
-            stats.tokens += len(new)
-            stats.proposed += len(tokens)
-            stats.accepted += v.num_accepted
-            # The step's time split as the stream lived it: draft time is what it waited for drafts.
-            overhead_ms = max(step_ms - draft_wait_ms - v.wall_ms, 0.0)
-            stats.draft_ms += draft_wait_ms
-            stats.verify_ms += v.wall_ms
-            stats.draft_compute_ms += proposal.compute_ms if proposal else 0.0
-            stats.verify_compute_ms += v.compute_ms
-            stats.overhead_ms += overhead_ms
-            if stats.iterations == 1:
-                stats.first_token_ms = (time.perf_counter() - t_start) * 1e3
-            mode = params.mode
-            STEPS.labels(mode).inc()
-            GENERATED_TOKENS.labels(mode).inc(len(new))
-            if tokens:
-                DRAFTS.inc()
-                DRAFT_TOKENS.inc(len(tokens))
-                ACCEPTED_TOKENS.inc(v.num_accepted)
-                for pos in range(v.num_accepted):
-                    ACCEPTED_PER_POSITION.labels(str(pos)).inc()
-            yield StepEvent(
-                index=stats.iterations - 1, k=k, draft=tokens,
-                draft_confidences=proposal.confidences if proposal else [],
-                target_probs=v.target_probs, accepted=v.num_accepted, next_token=v.next_token, next_kind=kind,
-                next_token_prob=v.next_token_prob, tokens=new, text=delta, draft_ms=draft_wait_ms, verify_ms=v.wall_ms,
-                draft_compute_ms=proposal.compute_ms if proposal else 0.0, verify_compute_ms=v.compute_ms,
-                overhead_ms=overhead_ms,
-                draft_stop_reason=proposal.stop_reason if proposal else "", draft_error=draft_error,
-                batch_sessions=v.batch_sessions, batch_rows=v.batch_rows,
-                draft_batch_sessions=proposal.batch_sessions if proposal else 0.0, predrafted=predrafted,
-            )
-            if done:
+            req.choose_k(step, remaining)
+            K_CHOSEN.observe(max(step.k, 0))
+            await req.fetch_draft(step)
+            if overlap:
+                req.start_predraft(step, remaining)
+            await req.verify(step)
+            req.accept(step, remaining)
+            await req.settle_predraft(step)
+            yield req.record(step)
+            if step.done:
                 break
-        stats.elapsed_ms = (time.perf_counter() - t_start) * 1e3
-        if stats.elapsed_ms > 0:
-            TOKENS_PER_SECOND.labels(params.mode).observe(stats.tokens / (stats.elapsed_ms / 1e3))
-        text = _cut_at_stop(detok.text, params.stop) if detok.stopped else detok.text
-        yield finish, text, stats
+        yield req.result()
     finally:
         ACTIVE.dec()
-        drop_predraft()
-        if catching_up is not None:
-            catching_up.cancel()  # the session is released next: its cache is of no more use
-        # Free both caches now, even when cancelled; never let cleanup fail the request.
-        clients = [target] + ([draft] if used_draft else [])
-        task = asyncio.get_running_loop().create_task(_release(clients, session_id, set(inflight)))
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
+        req.close()
 
 
 def _tokens(p: Proposed, start: int, end: int) -> Proposed:

@@ -26,7 +26,7 @@ from orchestrator.service import (
     tokenize,
 )
 from orchestrator.streams import BoundedEventSource
-from specdec import params as sm
+from specdec.params import Sampling
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -51,7 +51,7 @@ async def models(request: Request) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion."""
     rt = request.app.state.rt
-    sampling = sm.Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed))
+    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed))
     prompt_ids = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt)
     run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, False, sampling, client_key(request))
     return await _respond(run, request, body.stream, chat=False)
@@ -62,7 +62,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion (the prompt is built with the tokenizer's chat template)."""
     rt = request.app.state.rt
     prompt_ids = await tokenize(rt, client_key(request), chat_prompt_ids, rt, body.messages)
-    sampling = sm.Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed))
+    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed))
     max_tokens = body.max_completion_tokens or body.max_tokens
     run = prepare(rt, body, prompt_ids, max_tokens, body.stop, False, sampling, client_key(request))
     return await _respond(run, request, body.stream, chat=True)

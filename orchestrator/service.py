@@ -17,7 +17,7 @@ from orchestrator.controller import make_controller
 from orchestrator.loop import (
     BadRequest,
     GenerationParams,
-    GenerationStats,
+    GenerationResult,
     StepEvent,
     TargetBusy,
     TargetUnavailable,
@@ -25,7 +25,7 @@ from orchestrator.loop import (
 )
 from orchestrator.runtime import Runtime
 from orchestrator.schemas import ChatMessage, GenerateRequest, SpeculationParams
-from specdec import params as sm
+from specdec.params import Sampling
 
 
 @dataclass
@@ -117,7 +117,7 @@ def request_prompt(rt: Runtime, body: GenerateRequest) -> list[int]:
 
 
 def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tokens: int | None,
-            stop: list[str] | str | None, ignore_eos: bool, sampling: sm.Sampling, key: str | None = None) -> Run:
+            stop: list[str] | str | None, ignore_eos: bool, sampling: Sampling, key: str | None = None) -> Run:
     require_ready(rt)
     s = rt.settings
     limits = rt.limits
@@ -177,11 +177,10 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, 
                 token_ids.extend(item.tokens)
                 yield "step", item.to_dict()
             else:
-                finish, text, stats = item
-                if finish == "cancelled" and rt.drain_expired():
+                if item.finish_reason == "cancelled" and rt.drain_expired():
                     raise HTTPException(503, detail=f"the server shut down before the answer was complete "
                                                     f"({len(token_ids)} tokens generated); retry the request")
-                yield "done", result_dict(finish, text, token_ids, stats, run)
+                yield "done", result_dict(item, token_ids, run)
     except TargetBusy as exc:
         raise too_busy(str(exc)) from exc
     except TargetUnavailable as exc:
@@ -192,9 +191,10 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, 
         run.release()
 
 
-def result_dict(finish: str, text: str, token_ids: list[int], stats: GenerationStats, run: Run) -> dict[str, Any]:
-    return {"text": text, "token_ids": token_ids, "finish_reason": finish, "prompt_tokens": run.prompt_tokens,
-            "mode": run.params.mode, "controller": run.controller_name, "stats": stats.to_dict()}
+def result_dict(result: GenerationResult, token_ids: list[int], run: Run) -> dict[str, Any]:
+    return {"text": result.text, "token_ids": token_ids, "finish_reason": result.finish_reason,
+            "prompt_tokens": run.prompt_tokens, "mode": run.params.mode, "controller": run.controller_name,
+            "stats": result.stats.to_dict()}
 
 
 async def collect(run: Run, request: Request | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:

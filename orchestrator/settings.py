@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from specdec.settings import check_secret, check_tls
+
 ControllerName = Literal["fixed", "acceptance", "hf", "cost"]
 
 
@@ -112,10 +114,6 @@ class OrchestratorSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_security(self):
-        if (self.grpc_tls_cert_file is None) != (self.grpc_tls_key_file is None):
-            raise ValueError("grpc_tls_cert_file and grpc_tls_key_file go together: set both, or neither")
-        if self.grpc_tls_cert_file is not None and self.grpc_tls_ca_file is None:
-            raise ValueError("grpc_tls_cert_file (mutual TLS) needs grpc_tls_ca_file")
-        if self.grpc_token is not None and self.grpc_token.get_secret_value().strip() and self.grpc_token_file is not None:
-            raise ValueError("set grpc_token or grpc_token_file, not both")
+        check_tls(self, "grpc_tls_cert_file", "grpc_tls_key_file", needs_ca="grpc_tls_ca_file")
+        check_secret(self, "grpc_token")
         return self

@@ -12,6 +12,25 @@ from pydantic_settings import BaseSettings
 from specdec.models import EMBEDDED, default_cache_dir
 
 
+def check_tls(settings: BaseSettings, cert: str, key: str, *, needs_cert: str = "", needs_ca: str = "") -> None:
+    """The TLS fields of ``settings`` (server side or client side) make sense together: a
+    certificate and its key both or neither; ``needs_cert`` (a client CA: mutual TLS) only with a
+    certificate; a client certificate only with ``needs_ca`` (the CA it trusts)."""
+    if (getattr(settings, cert) is None) != (getattr(settings, key) is None):
+        raise ValueError(f"{cert} and {key} go together: set both, or neither")
+    if needs_cert and getattr(settings, needs_cert) is not None and getattr(settings, cert) is None:
+        raise ValueError(f"{needs_cert} (mutual TLS) needs {cert} and {key}")
+    if needs_ca and getattr(settings, cert) is not None and getattr(settings, needs_ca) is None:
+        raise ValueError(f"{cert} (mutual TLS) needs {needs_ca}")
+
+
+def check_secret(settings: BaseSettings, name: str) -> None:
+    """A secret comes from ``name`` or from ``name``_file, never both."""
+    value: SecretStr | None = getattr(settings, name)
+    if value is not None and value.get_secret_value().strip() and getattr(settings, f"{name}_file") is not None:
+        raise ValueError(f"set {name} or {name}_file, not both")
+
+
 class ModelServiceSettings(BaseSettings):
     """Common configuration of a model service."""
 
@@ -66,12 +85,8 @@ class ModelServiceSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_security(self):
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file go together: set both for TLS, or neither")
-        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
-            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
-        if self.auth_token is not None and self.auth_token.get_secret_value().strip() and self.auth_token_file is not None:
-            raise ValueError("set auth_token or auth_token_file, not both")
+        check_tls(self, "tls_cert_file", "tls_key_file", needs_cert="tls_client_ca_file")
+        check_secret(self, "auth_token")
         return self
 
     @model_validator(mode="after")

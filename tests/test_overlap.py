@@ -15,8 +15,8 @@ import pytest
 from orchestrator.clients import Proposed
 from orchestrator.controller import CostController, CostModel, StepObservation, make_controller
 from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, StepEvent, generate
-from specdec import params as sm
 from specdec.models import load_hf
+from specdec.params import Sampling
 from specdec.sessions import SessionStore
 from target_service.engine import TargetEngine
 from tests.conftest import greedy_reference
@@ -95,7 +95,7 @@ async def run(engine, draft, params, controller, shared_host=True, target=None, 
     events = [e async for e in generate(params, draft, target, controller, limits, DraftHealth(1.0), lambda ids: "",
                                         in_progress=lambda: in_progress)]
     steps = [e for e in events if isinstance(e, StepEvent)]
-    return steps, events[-1][2]
+    return steps, events[-1].stats
 
 
 @pytest.mark.parametrize("wrong", [set(), {len(PROMPT) + 5}, {len(PROMPT) + i for i in (2, 3, 9, 14, 15, 20)}],
@@ -200,7 +200,7 @@ async def test_a_rejection_cancels_the_predraft_in_flight(engine, reference):
 async def test_sampling_requests_do_not_overlap(engine, reference):
     draft = ScriptedDraft(reference, set())
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=8, ignore_eos=True, overlap=True,
-                              sampling=sm.Sampling(temperature=0.8, seed=3))
+                              sampling=Sampling(temperature=0.8, seed=3))
 
     class Dist(ScriptedDraft):
         async def propose(self, *args, **kwargs):
@@ -288,7 +288,7 @@ def test_sampling_drafts_from_the_first_step(engine):
     reference = greedy_reference(engine.lm.model, LONG_PROMPT, N)
     draft = LongPromptDraft(reference, delay_s=0.05)
     params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=8, ignore_eos=True,
-                              sampling=sm.Sampling(temperature=0.9, seed=3))
+                              sampling=Sampling(temperature=0.9, seed=3))
     steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 3, 8)))
     assert stats.draft_catch_ups == 0 and steps[0].k == 3
 
