@@ -6,9 +6,9 @@ import grpc
 from prometheus_client import Counter
 
 from draft_service.proposer import Proposer
-from specdec.convert import info_to_pb, sampling_from_pb
+from specdec.convert import sampling_from_pb
 from specdec.scheduler import ComputeThread
-from specdec.server import STORE_METRICS, create_server, message_limits, rpc
+from specdec.server import ModelServicer, rpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -17,21 +17,14 @@ PROPOSED = Counter("specdec_draft_proposed_tokens_total", "Draft tokens proposed
 STOPS = Counter("specdec_draft_stops_total", "Propose calls by why drafting stopped.", ["reason"])
 
 
-class DraftServicer(pb_grpc.DraftServiceServicer):
-    def __init__(self, proposer: Proposer, compute: ComputeThread | None = None) -> None:
-        self.proposer = proposer
-        # model compute runs on the compute thread when there is one (see ComputeThread)
-        self._compute = compute
+class DraftServicer(ModelServicer, pb_grpc.DraftServiceServicer):
+    service = SERVICE
+    grpc_service = "DraftService"
 
-    def _run(self, context: grpc.ServicerContext, fn, *args):
-        if self._compute is None:
-            return fn(*args)
-        return self._compute.run(fn, *args, context=context)
-
-    @rpc(SERVICE)
+    @rpc()
     def Propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext) -> pb.ProposeResponse:
         # Validation on this RPC thread: a bad request never reaches the compute thread.
-        job = self.proposer.prepare(
+        job = self.engine.prepare(
             request.session_id,
             request.tokens,
             request.max_draft_tokens,
@@ -40,7 +33,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             request.return_distributions,
             request.yield_cores,
         )
-        result = self._compute.submit(self.proposer, job, context) if self._compute else self.proposer.run(job)
+        result = self._submit(job, context)
         PROPOSED.inc(len(result.tokens))
         STOPS.labels(result.stop_reason.name.lower()).inc()
         return pb.ProposeResponse(
@@ -56,23 +49,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             step_cpu_ns=result.step_cpu_ns,
         )
 
-    @rpc(SERVICE)
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        return info_to_pb(self.proposer.info(), self._compute.snapshot() if self._compute else None)
-
-    @rpc(SERVICE)
-    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        released = self._run(context, self.proposer.release, request.session_id)
-        return pb.ReleaseResponse(released=released)
-
 
 def build_server(proposer: Proposer, address: str, workers: int = 8, compute: ComputeThread | None = None, *,
                  interceptors: list[grpc.ServerInterceptor] | None = None, credentials: grpc.ServerCredentials | None = None):
     """(server, port, health) for ``proposer`` on ``address``; see specdec.server.create_server."""
-    servicer = DraftServicer(proposer, compute)
-    STORE_METRICS.track(SERVICE, proposer.store)
-    info = proposer.info()
-    limits = message_limits(info.max_context, info.vocab_size, info.max_draft_tokens, receives_distributions=False)
-    name = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
-    return create_server(lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s), [name], address, workers,
-                         limits, interceptors=interceptors or (), credentials=credentials)
+    return DraftServicer(proposer, compute).build(pb_grpc.add_DraftServiceServicer_to_server, address, workers,
+                                                  interceptors=interceptors, credentials=credentials)

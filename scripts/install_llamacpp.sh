@@ -76,10 +76,21 @@ fi
 
 cache=$root/llama-cpp-python-$key
 if ! ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  echo "building llama-cpp-python $VERSION with: $flags (a few minutes)"
+  # On every core, and only what the binding loads: the multimodal library (LLAVA_BUILD, mtmd) is
+  # never loaded by specdec. Neither choice changes the library built, so neither is in the key.
+  jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+  echo "building llama-cpp-python $VERSION with: $flags ($jobs parallel jobs; a few minutes)"
   fetch_sdist
   mkdir -p "$cache.tmp"
-  CMAKE_ARGS="$flags" "$PY" -m pip wheel --no-cache-dir --no-deps -w "$cache.tmp" "$sdist"
+  start=$SECONDS
+  # pip prints nothing while cmake compiles: say that it is still going
+  ( while sleep 30; do echo "  still compiling llama.cpp ($((SECONDS - start)) s)"; done ) &
+  ticker=$!
+  trap 'kill $ticker 2>/dev/null || true' EXIT
+  CMAKE_BUILD_PARALLEL_LEVEL=$jobs CMAKE_ARGS="$flags -DLLAVA_BUILD=OFF" \
+    "$PY" -m pip wheel --quiet --no-cache-dir --no-deps -w "$cache.tmp" "$sdist"
+  kill $ticker 2>/dev/null || true; trap - EXIT
+  echo "llama-cpp-python built in $((SECONDS - start)) s"
   rm -rf "$cache" && mv "$cache.tmp" "$cache"
 fi
 "$PY" -m pip install --no-deps --force-reinstall "$cache"/llama_cpp_python-*.whl

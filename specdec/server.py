@@ -19,8 +19,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from specdec.convert import info_to_pb
 from specdec.errors import SpecdecError
 from specdec.scheduler import ComputeThread
+from specdec.v1 import specdec_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +86,17 @@ def message_limits(max_context: int, vocab_size: int, max_draft_tokens: int, rec
     return tokens + _MESSAGE_SLACK, distributions + 10 * max_draft_tokens + _MESSAGE_SLACK
 
 
-def rpc(service: str) -> Callable:
+def rpc(service: str | None = None) -> Callable:
     """Decorate a servicer method: map SpecdecError to its status code, anything else to INTERNAL
-    (logged with traceback), and time the call."""
+    (logged with traceback), and time the call. ``service`` labels the metrics (default: the
+    servicer's ``service`` attribute)."""
 
     def wrap(method: Callable) -> Callable:
         name = method.__name__
 
         @functools.wraps(method)
         def call(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            label = service or self.service
             t0 = time.perf_counter()
             code, message = "OK", ""
             try:
@@ -101,10 +105,10 @@ def rpc(service: str) -> Callable:
                 code, message = exc.code, str(exc)
             except Exception:  # keep serving; the client learns it was our fault, not the details
                 error_id = uuid.uuid4().hex[:12]
-                logger.exception("%s.%s failed (error id %s)", service, name, error_id)
+                logger.exception("%s.%s failed (error id %s)", label, name, error_id)
                 code, message = "INTERNAL", f"internal error (id {error_id}; details in the server log)"
             finally:
-                RPC_LATENCY.labels(service, name, code).observe(time.perf_counter() - t0)
+                RPC_LATENCY.labels(label, name, code).observe(time.perf_counter() - t0)
             context.abort(grpc.StatusCode[code], message)
 
         return call
@@ -301,3 +305,45 @@ def configure_logging(level: str) -> None:
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+class ModelServicer:
+    """What both model services' servicers share: model work on the compute thread when there is
+    one (see ComputeThread), Info and Release. ``engine`` is the service's engine (the target's
+    TargetEngine, the draft's Proposer): ``prepare``/``run`` jobs, ``info()``, ``release(id)`` and
+    its session ``store``. A subclass adds its own RPC and names its ``service``."""
+
+    service = ""  # the metrics' label: "draft" or "target"
+    grpc_service = ""  # the service's name in specdec.v1
+    receives_distributions = False  # its requests may carry sparse draft distributions (message limits)
+
+    def __init__(self, engine: Any, compute: ComputeThread | None = None) -> None:
+        self.engine = engine
+        self._compute = compute
+
+    def _submit(self, job: Any, context: grpc.ServicerContext) -> Any:
+        return self._compute.submit(self.engine, job, context) if self._compute else self.engine.run(job)
+
+    @rpc()
+    def Info(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return info_to_pb(self.engine.info(), self._compute.snapshot() if self._compute else None)
+
+    @rpc()
+    def Release(self, request: Any, context: grpc.ServicerContext) -> Any:
+        release = self.engine.release
+        released = (self._compute.run(release, request.session_id, context=context) if self._compute
+                    else release(request.session_id))
+        return pb.ReleaseResponse(released=released)
+
+    def build(self, add: Callable[[Any, grpc.Server], None], address: str, workers: int, *,
+              interceptors: Iterable[grpc.ServerInterceptor] | None = None,
+              credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int, Any]:
+        """(server, port, health) serving this servicer on ``address``; see :func:`create_server`.
+        ``add``: the generated ``add_…Servicer_to_server``."""
+        STORE_METRICS.track(self.service, self.engine.store)
+        info = self.engine.info()
+        limits = message_limits(info.max_context, info.vocab_size, info.max_draft_tokens,
+                                receives_distributions=self.receives_distributions)
+        name = pb.DESCRIPTOR.services_by_name[self.grpc_service].full_name
+        return create_server(lambda server: add(self, server), [name], address, workers, limits,
+                             interceptors=interceptors or (), credentials=credentials)

@@ -171,54 +171,8 @@ class TargetEngine:
         session waits for the next step.
         """
         outcomes: list = [PENDING] * len(jobs)
-        plan: list[tuple[int, ForwardRequest]] = []
         with self.lm.lock:
-            sessions, needs = {}, []
-            for job in jobs:
-                if job.session_id in sessions:
-                    needs.append(None)
-                    continue
-                session = sessions[job.session_id] = self.lm.session(job.session_id)
-                cached = min(common_prefix_len(session.tokens, job.tokens), len(job.tokens) - 1)
-                needs.append((session, cached, len(job.tokens) + len(job.draft) - cached))
-            waiting_prefill = any(n is not None and n[2] > VERIFY_SIZED_ROWS for n in needs)
-            budget = self.max_batch_rows - (MIN_PREFILL_CHUNK if waiting_prefill else 0)
-            planned: set[int] = set()
-            solo: list[tuple[int, ForwardRequest]] = []
-            for i, need in enumerate(needs):  # 0. sampling jobs: each alone, as if nothing else waited
-                if need is None or jobs[i].sampling.greedy:
-                    continue
-                planned.add(i)
-                session, cached, rows = need
-                job = jobs[i]
-                if rows <= self.max_batch_rows:
-                    solo.append((i, ForwardRequest(session, job.tokens + job.draft, len(job.draft) + 1)))
-                else:
-                    end = min(cached + self.max_batch_rows, len(job.tokens) - 1)
-                    solo.append((i, ForwardRequest(session, job.tokens[:end], 0)))
-            for i, need in enumerate(needs):  # 1. verify-sized work, oldest first
-                if need is not None and i not in planned and need[2] <= VERIFY_SIZED_ROWS and need[2] <= budget:
-                    job = jobs[i]
-                    plan.append((i, ForwardRequest(need[0], job.tokens + job.draft, len(job.draft) + 1)))
-                    planned.add(i)
-                    budget -= need[2]
-            budget += MIN_PREFILL_CHUNK if waiting_prefill else 0
-            if plan and self.shared_prefill_rows:
-                # Others decode in this pass: a smaller prefill chunk keeps their next token close.
-                budget = min(budget, self.shared_prefill_rows)
-            for i, need in enumerate(needs):  # 2. the rest (long prefills), whole or in chunks, oldest first
-                if need is None or i in planned or budget <= 0:
-                    continue
-                session, cached, rows = need
-                job = jobs[i]
-                if rows <= budget:
-                    plan.append((i, ForwardRequest(session, job.tokens + job.draft, len(job.draft) + 1)))
-                    budget -= rows
-                elif budget >= MIN_PREFILL_CHUNK and cached < len(job.tokens) - 1:
-                    # a chunk of the committed tokens only; the last one and the draft come last
-                    end = min(cached + budget, len(job.tokens) - 1)
-                    plan.append((i, ForwardRequest(session, job.tokens[:end], 0)))
-                    budget -= end - cached
+            plan, solo = self._plan(jobs)
             now = time.perf_counter_ns()
             for i, _ in plan + solo:
                 jobs[i].started_ns = jobs[i].started_ns or now
@@ -242,6 +196,58 @@ class TargetEngine:
                 except Exception as exc:  # noqa: BLE001 - that job's error, not the batch's
                     outcomes[i] = exc
         return StepResult(outcomes, ran, rows)
+
+    def _plan(self, jobs: list[VerifyJob]) -> tuple[list[tuple[int, ForwardRequest]], list[tuple[int, ForwardRequest]]]:
+        """The step's plan (called under the model's lock): (job index, forward request) of the
+        greedy jobs that share this pass, and of the sampling jobs that each get a pass alone."""
+        plan: list[tuple[int, ForwardRequest]] = []
+        sessions, needs = {}, []
+        for job in jobs:
+            if job.session_id in sessions:
+                needs.append(None)
+                continue
+            session = sessions[job.session_id] = self.lm.session(job.session_id)
+            cached = min(common_prefix_len(session.tokens, job.tokens), len(job.tokens) - 1)
+            needs.append((session, cached, len(job.tokens) + len(job.draft) - cached))
+        waiting_prefill = any(n is not None and n[2] > VERIFY_SIZED_ROWS for n in needs)
+        budget = self.max_batch_rows - (MIN_PREFILL_CHUNK if waiting_prefill else 0)
+        planned: set[int] = set()
+        solo: list[tuple[int, ForwardRequest]] = []
+        for i, need in enumerate(needs):  # 0. sampling jobs: each alone, as if nothing else waited
+            if need is None or jobs[i].sampling.greedy:
+                continue
+            planned.add(i)
+            session, cached, rows = need
+            job = jobs[i]
+            if rows <= self.max_batch_rows:
+                solo.append((i, ForwardRequest(session, job.tokens + job.draft, len(job.draft) + 1)))
+            else:
+                end = min(cached + self.max_batch_rows, len(job.tokens) - 1)
+                solo.append((i, ForwardRequest(session, job.tokens[:end], 0)))
+        for i, need in enumerate(needs):  # 1. verify-sized work, oldest first
+            if need is not None and i not in planned and need[2] <= VERIFY_SIZED_ROWS and need[2] <= budget:
+                job = jobs[i]
+                plan.append((i, ForwardRequest(need[0], job.tokens + job.draft, len(job.draft) + 1)))
+                planned.add(i)
+                budget -= need[2]
+        budget += MIN_PREFILL_CHUNK if waiting_prefill else 0
+        if plan and self.shared_prefill_rows:
+            # Others decode in this pass: a smaller prefill chunk keeps their next token close.
+            budget = min(budget, self.shared_prefill_rows)
+        for i, need in enumerate(needs):  # 2. the rest (long prefills), whole or in chunks, oldest first
+            if need is None or i in planned or budget <= 0:
+                continue
+            session, cached, rows = need
+            job = jobs[i]
+            if rows <= budget:
+                plan.append((i, ForwardRequest(session, job.tokens + job.draft, len(job.draft) + 1)))
+                budget -= rows
+            elif budget >= MIN_PREFILL_CHUNK and cached < len(job.tokens) - 1:
+                # a chunk of the committed tokens only; the last one and the draft come last
+                end = min(cached + budget, len(job.tokens) - 1)
+                plan.append((i, ForwardRequest(session, job.tokens[:end], 0)))
+                budget -= end - cached
+        return plan, solo
 
     def _verify(self, job: VerifyJob, logits: torch.Tensor, cached: int, batch_sessions: int,
                 batch_rows: int) -> Verification:

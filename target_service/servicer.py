@@ -7,9 +7,9 @@ import logging
 import grpc
 from prometheus_client import Counter
 
-from specdec.convert import info_to_pb, sampling_from_pb
+from specdec.convert import sampling_from_pb
 from specdec.scheduler import ComputeThread
-from specdec.server import STORE_METRICS, create_server, message_limits, rpc
+from specdec.server import ModelServicer, rpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from target_service.engine import TargetEngine
@@ -22,18 +22,12 @@ ACCEPTED = Counter("specdec_target_accepted_tokens_total", "Draft tokens the tar
 STEPS = Counter("specdec_target_verifications_total", "Verify calls (one forward pass each).")
 
 
-class TargetServicer(pb_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetEngine, compute: ComputeThread | None = None) -> None:
-        self.engine = engine
-        # model compute runs on the compute thread when there is one (see ComputeThread)
-        self._compute = compute
+class TargetServicer(ModelServicer, pb_grpc.TargetServiceServicer):
+    service = SERVICE
+    grpc_service = "TargetService"
+    receives_distributions = True
 
-    def _run(self, context: grpc.ServicerContext, fn, *args):
-        if self._compute is None:
-            return fn(*args)
-        return self._compute.run(fn, *args, context=context)
-
-    @rpc(SERVICE)
+    @rpc()
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         # Validation on this RPC thread: a bad request never reaches the compute thread.
         job = self.engine.prepare(
@@ -45,7 +39,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             request.return_target_probs,
             request.yield_cores,
         )
-        result = self._compute.submit(self.engine, job, context) if self._compute else self.engine.run(job)
+        result = self._submit(job, context)
         STEPS.inc()
         VERIFIED.inc(len(job.draft))
         ACCEPTED.inc(result.num_accepted)
@@ -62,23 +56,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             step_cpu_ns=result.step_cpu_ns,
         )
 
-    @rpc(SERVICE)
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        return info_to_pb(self.engine.info(), self._compute.snapshot() if self._compute else None)
-
-    @rpc(SERVICE)
-    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        released = self._run(context, self.engine.release, request.session_id)
-        return pb.ReleaseResponse(released=released)
-
 
 def build_server(engine: TargetEngine, address: str, workers: int = 8, compute: ComputeThread | None = None, *,
                  interceptors: list[grpc.ServerInterceptor] | None = None, credentials: grpc.ServerCredentials | None = None):
     """(server, port, health) for ``engine`` on ``address``; see specdec.server.create_server."""
-    servicer = TargetServicer(engine, compute)
-    STORE_METRICS.track(SERVICE, engine.store)
-    info = engine.info()
-    limits = message_limits(info.max_context, info.vocab_size, info.max_draft_tokens, receives_distributions=True)
-    name = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
-    return create_server(lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s), [name], address, workers,
-                         limits, interceptors=interceptors or (), credentials=credentials)
+    return TargetServicer(engine, compute).build(pb_grpc.add_TargetServiceServicer_to_server, address, workers,
+                                                 interceptors=interceptors, credentials=credentials)

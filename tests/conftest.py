@@ -124,7 +124,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Proc:
-    """A service started as ``python -m <module>`` with its log in a file."""
+    """A service started as ``python -m <module>`` with its log in a file. Every one still running
+    when the session ends is killed then (see pytest_sessionfinish), whatever failed on the way."""
+
+    started: list[Proc] = []
 
     def __init__(self, name: str, module: str, env: dict[str, str], log_dir: Path, args: list[str] = ()) -> None:
         self.name = name
@@ -133,6 +136,7 @@ class Proc:
             [sys.executable, "-m", module, *args], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
             stdout=self.log.open("w"), stderr=subprocess.STDOUT,
         )
+        Proc.started.append(self)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -194,7 +198,11 @@ def start_model_service(kind: str, log_dir: Path, env: dict[str, str] | None = N
     prefix = "SPECDEC_DRAFT_" if kind == "draft" else "SPECDEC_TARGET_"
     proc = Proc(kind, f"{kind}_service", {prefix + "PORT": str(port), prefix + "HOST": "127.0.0.1",
                                           prefix + "METRICS_PORT": str(free_port()), **(env or {})}, log_dir)
-    wait_grpc(port, proc)
+    try:
+        wait_grpc(port, proc)
+    except BaseException:
+        proc.kill()  # it never reached the caller, who could not stop it
+        raise
     return proc, port
 
 
@@ -208,8 +216,17 @@ def start_orchestrator(draft_port: int, target_port: int, log_dir: Path, env: di
         "SPECDEC_ORCHESTRATOR_DRAFT_RETRY_S": "1", **(env or {}),
     }, log_dir)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + ("/ready" if wait_ready else "/health"), proc)
+    try:
+        wait_http(url + ("/ready" if wait_ready else "/health"), proc)
+    except BaseException:
+        proc.kill()
+        raise
     return proc, url
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    for proc in Proc.started:
+        proc.kill()
 
 
 @contextlib.contextmanager

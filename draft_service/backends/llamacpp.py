@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +47,17 @@ LOOKUP_TOKENS = Counter("specdec_draft_lookup_tokens_total",
 FIRST_GUESS = 2  # tokens of a job's first lookup guess; doubled after each guess taken whole
 
 
+
+def _offloads(llama_cpp: Any, gpu_layers: int) -> bool:
+    """Whether the draft's layers go to the GPU (``gpu_layers``: how many, -1 all). A build without
+    a GPU backend ignores them and computes on the CPU (a warning says so; Info's device says which
+    happened)."""
+    offload = gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
+    if gpu_layers != 0 and not offload:
+        logger.warning("gpu_layers=%d, but this llama-cpp-python build has no GPU backend: the draft runs on the "
+                       "CPU (build it with SPECDEC_LLAMACPP_CUDA=1 scripts/install_llamacpp.sh)", gpu_layers)
+    return offload
+
 class LlamaCppProposer(Proposer):
     backend = "llamacpp"
 
@@ -65,12 +77,7 @@ class LlamaCppProposer(Proposer):
         self.lookup_max_tokens = lookup_max_tokens
         self.lock = threading.Lock()
         llama_cpp.llama_backend_init()
-        # Layers offloaded to the GPU (-1: all). A build without a GPU backend ignores them and
-        # computes on the CPU: Info's device says which happened.
-        offload = gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
-        if gpu_layers != 0 and not offload:
-            logger.warning("gpu_layers=%d, but this llama-cpp-python build has no GPU backend: the draft runs on the "
-                           "CPU (build it with SPECDEC_LLAMACPP_CUDA=1 scripts/install_llamacpp.sh)", gpu_layers)
+        offload = _offloads(llama_cpp, gpu_layers)
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = gpu_layers if offload else 0
         self._model = internals.LlamaModel(path_model=model_path, params=model_params, verbose=False)
@@ -117,16 +124,11 @@ class LlamaCppProposer(Proposer):
         fingerprint, _, eos = gguf_tokenizer_fingerprint(model_path)
         eog = {t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)}
         self._eos = eog | set(eos)
+        metadata = self._model.metadata()
         self._info = ModelInfo(
-            model_id=model_path,
-            architecture=self._model.metadata().get("general.architecture", "gguf"),
-            vocab_size=self.n_vocab,
-            tokenizer_fingerprint=fingerprint,
-            max_context=min(n_ctx_train, pool),
-            dtype=_file_type(self._model.metadata()),
-            device="cuda" if offload else "cpu",
-            backend=self.backend,
-            max_draft_tokens=max_draft_tokens,
+            model_id=model_path, architecture=metadata.get("general.architecture", "gguf"), vocab_size=self.n_vocab,
+            tokenizer_fingerprint=fingerprint, max_context=min(n_ctx_train, pool), dtype=_file_type(metadata),
+            device="cuda" if offload else "cpu", backend=self.backend, max_draft_tokens=max_draft_tokens,
             eos_token_ids=sorted(self._eos),
         )
         logger.info("llama.cpp on the %s: %d threads (%d when yielding cores to the target), KV pool %d tokens in %d "
