@@ -243,7 +243,7 @@ def test_orchestrator_and_dashboard_ports_and_http_probes(rendered, overlay):
     from orchestrator.app import create_app
 
     docs = rendered[overlay]
-    routes = {getattr(route, "path", None) for route in create_app(OrchestratorSettings()).routes}
+    routes = set(create_app(OrchestratorSettings()).openapi()["paths"])
     orchestrator = container(docs, "orchestrator")
     port = OrchestratorSettings.model_fields["port"].default
     assert port_of(orchestrator, "http") == port
