@@ -44,11 +44,11 @@ test-gpu: setup
 
 ## The reliability suite: HTTP and gRPC fuzzing, fault injection, a 16-client soak (docs/reliability.md).
 test-reliability: setup
-	$(PY) -m pytest -ra tests/reliability
+	$(PY) -m pytest -ra -m reliability tests
 
 ## Its CI form: the same with a 30 s soak (SPECDEC_SOAK_SECONDS overrides).
 test-reliability-ci: setup
-	SPECDEC_SOAK_SECONDS=$${SPECDEC_SOAK_SECONDS:-30} $(PY) -m pytest -ra tests/reliability
+	SPECDEC_SOAK_SECONDS=$${SPECDEC_SOAK_SECONDS:-30} $(PY) -m pytest -ra -m reliability tests
 
 ## The image and the compose stack for real, with podman (as root; installs podman on Debian): docs/docker.md.
 test-containers: setup

@@ -138,7 +138,7 @@ def test_load_benchmark_end_to_end_on_tiny_models(tmp_path, tiny_models):
     env = [f"SPECDEC_TARGET_MODEL={tiny_models['gpt2-target']}", "SPECDEC_TARGET_THREADS=1",
            f"SPECDEC_DRAFT_MODEL={tiny_models['gpt2-draft']}", "SPECDEC_DRAFT_BACKEND=transformers",
            "SPECDEC_DRAFT_THREADS=1"]
-    argv = ["--concurrency", "1,2", "--rates", "3", "--duration", "4", "--warmup", "1", "--max-tokens", "12",
+    argv = ["--concurrency", "1,2", "--rates", "3", "--duration", "2", "--warmup", "0.5", "--max-tokens", "12",
             "--controller", "fixed", "--k", "2", "--prompts-file", str(suite), "--out", str(out)]
     for e in env:
         argv += ["--env", e]
