@@ -24,7 +24,6 @@ Costs do not depend on the weights' values. ``--draft none`` skips the draft's t
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report
+from evaluation.client import write_results
 
 logger = logging.getLogger("evaluation.batchcost")
 
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "target_ms": {f"{kernel}:{b}x{q}": ms for (kernel, b, q), ms in target.items()}, "draft_step_ms": draft,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_results(out, results)
     (out / "results.md").write_text(f"# Batched step cost\n\nCommand: `{command}`\n\n{table}\n")
     print(table)
     return 0

@@ -32,7 +32,6 @@ import argparse
 import fnmatch
 import json
 import logging
-import math
 import os
 import platform
 import re
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report
+from evaluation.client import first_difference, generate_body, write_results
 from evaluation.prompts import CATEGORIES, SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import summarise
 from specdec.gguf_convert import QUANTS
@@ -217,13 +217,10 @@ class Harness:
             ids, ms = self.generator.generate(prompt_ids, n, mode.how)
             return {"tokens": len(ids), "elapsed_ms": ms, "token_ids": ids}
         # the steps give k and the acceptance by draft position
-        body: dict[str, Any] = {"max_tokens": n, "ignore_eos": True, "temperature": 0, "include_steps": True, **mode.body}
+        fields: dict[str, Any] = {"include_steps": True, **mode.body}
         if self.threshold is not None and mode.body.get("mode") != "autoregressive":
-            body["confidence_threshold"] = self.threshold
-        if prompt.chat:
-            body["messages"] = [{"role": "user", "content": prompt.text}]
-        else:
-            body["prompt"] = prompt.text
+            fields["confidence_threshold"] = self.threshold
+        body = generate_body(prompt, n, **fields)
         t0 = time.perf_counter()
         r = self.http.post(self.urls[mode.stack] + "/v1/generate", json=body)
         wall = (time.perf_counter() - t0) * 1e3
@@ -461,12 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         explained: dict[tuple[str, int, int], dict[str, Any]] = {}
         for r in runs:
             ref = reference[r["prompt_id"]]
-            r["identical"] = r["token_ids"] == ref
-            if not r["identical"]:
-                from evaluation.stats import first_mismatch
-
-                pos = first_mismatch(ref, r["token_ids"])
-                other = r["token_ids"][pos] if pos is not None and pos < len(r["token_ids"]) else -1
+            pos = first_difference(ref, r["token_ids"])
+            r["identical"] = pos is None
+            if pos is not None:
+                other = r["token_ids"][pos] if pos < len(r["token_ids"]) else -1
                 key = (r["prompt_id"], pos, other)
                 if key not in explained:
                     explained[key] = explain_mismatch(target.model, target.tokenizer, prompt_ids[r["prompt_id"]],
@@ -492,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         "modes": [m.name for m in modes], "summary": summary, "draft_positions": positions, "mismatches": mismatches,
         "runs": runs,
     }
-    (out / "results.json").write_text(json.dumps(_finite(results), indent=1, default=str))
+    write_results(out, results)
     plots = write_plots(results, out)
     (out / "results.md").write_text(render_markdown(results, plots))
     logger.info("done in %.0f s: %s", elapsed_s, out)
@@ -577,17 +572,6 @@ def _load(values: list[float] | None) -> str:
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
-
-
-def _finite(o: Any) -> Any:
-    """``o`` with NaN and infinities as None (strict JSON)."""
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, list | tuple):
-        return [_finite(v) for v in o]
-    return o
 
 
 if __name__ == "__main__":

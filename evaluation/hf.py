@@ -83,9 +83,9 @@ def explain_mismatch(model: Any, tokenizer: Any, prompt_ids: list[int], referenc
     """
     import torch
 
-    from evaluation.stats import first_mismatch
+    from evaluation.client import first_difference
 
-    pos = first_mismatch(reference, other)
+    pos = first_difference(reference, other)
     if pos is None:
         return None
     out: dict[str, Any] = {"position": pos}

@@ -37,13 +37,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import logging
 import os
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -53,6 +52,7 @@ import httpx
 
 from evaluation import report
 from evaluation.bench import machine_info, rotation
+from evaluation.client import first_difference, generate_body, sse_events, write_results
 from evaluation.prompts import CATEGORIES, SUITE_PATH, SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import percentile
 
@@ -212,19 +212,6 @@ def retry_after(value: str | None) -> float | None:
 
 # ---- the client -------------------------------------------------------------------------------------
 
-async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-    """(event, data) pairs of a server-sent event stream as they arrive; comments (pings) skipped."""
-    event, data = None, []
-    async for line in response.aiter_lines():
-        if line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].strip())
-        elif not line and data:
-            yield event or "message", json.loads("\n".join(data))
-            event, data = None, []
-
-
 def step_record(t: float, data: dict[str, Any]) -> dict[str, Any]:
     """What a run keeps of a `step` event that arrived at ``t`` (s since the run started)."""
     s = {"t": round(t, 4), "n": len(data.get("tokens", ())), "k": data.get("k", 0),
@@ -245,15 +232,9 @@ class LoadClient:
         self.max_tokens, self.temperature, self.speculation = max_tokens, temperature, speculation
 
     def body(self, prompt: Prompt, mode: str, max_tokens: int | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"max_tokens": max_tokens or self.max_tokens, "temperature": self.temperature,
-                                "ignore_eos": True, "mode": mode}
-        if mode == "speculative":
-            body.update(self.speculation)
-        if prompt.chat:
-            body["messages"] = [{"role": "user", "content": prompt.text}]
-        else:
-            body["prompt"] = prompt.text
-        return body
+        speculation = self.speculation if mode == "speculative" else {}
+        return generate_body(prompt, max_tokens or self.max_tokens, temperature=self.temperature, mode=mode,
+                             **speculation)
 
     async def request(self, prompt: Prompt, mode: str, t0: float, deadline: float | None,
                       max_tokens: int | None = None) -> dict[str, Any]:
@@ -470,19 +451,19 @@ async def run_benchmark(args: argparse.Namespace, url: str, prompts: list[Prompt
         for run in runs:
             for r in run["requests"]:
                 ref = references.get(r["prompt_id"])
-                r["identical"] = r["token_ids"] == ref if ref is not None and r["status"] == 200 else None
-                if r["identical"] is False:
-                    mismatches.append({"mode": run["mode"], "load": run["label"], "prompt_id": r["prompt_id"],
-                                       "position": _first_difference(ref, r["token_ids"])})
+                if ref is None or r["status"] != 200:
+                    r["identical"] = None
+                else:
+                    # a `done` without ids differs from the reference at once
+                    pos = first_difference(ref, r["token_ids"]) if r["token_ids"] is not None else 0
+                    r["identical"] = pos is None
+                    if pos is not None:
+                        mismatches.append({"mode": run["mode"], "load": run["label"], "prompt_id": r["prompt_id"],
+                                           "position": pos})
                 del r["token_ids"]  # the reference says what they are, or the mismatch list where they differ
             run["summary"] = summarise_run(run["requests"], tuple(run["window"]))
         add_ratios(runs)
     return {"info": info, "runs": runs, "references": references, "mismatches": mismatches}
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int] | None) -> int:
-    b = b or []
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -524,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                      "requests_per_client": args.requests, "warmup_s": args.warmup, "modes": args.modes},
         "mismatches": measured["mismatches"], "references": measured["references"], "runs": measured["runs"],
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False))
+    write_results(out, results)
     plot = plot_throughput_latency(results["runs"], out / "throughput_vs_itl.png")
     (out / "results.md").write_text(render_markdown(results, plot.name if plot else None))
     logger.info("done in %.0f s: %s", results["duration_s"], out)

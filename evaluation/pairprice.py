@@ -24,7 +24,6 @@ embedded pair next to what ``evaluation.bench`` measures end to end.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import statistics
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report
+from evaluation.client import write_results
 
 logger = logging.getLogger("evaluation.pairprice")
 
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "projection": {label: {str(a): {"speedup": s, "k": k} for a, (s, k) in by_a.items()}
                        for label, by_a in projection.items()},
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_results(out, results)
     (out / "results.md").write_text(f"# Pair prices\n\nCommand: `{command}`\n\n{table}\n")
     print(table)
     return 0

@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report
-from evaluation.bench import Harness, Mode, _finite, _jsonable, machine_info, rotation
+from evaluation.bench import Harness, Mode, _jsonable, machine_info, rotation
+from evaluation.client import first_difference, write_results
 from evaluation.procs import ROOT, Service, Stack, free_port, wait_ready
 from evaluation.prompts import CATEGORIES, SUITE_VERSION, Prompt, load_suite, select, suite_digest
-from evaluation.stats import first_mismatch, paired_speedup, spread, tokens_per_second
+from evaluation.stats import paired_speedup, spread, tokens_per_second
 
 logger = logging.getLogger(__name__)
 
@@ -372,7 +373,7 @@ def find_mismatches(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ids = refs.get((ref, r["max_tokens"], r["prompt_id"], r["repeat"]))
             if ids is None:
                 continue
-            pos = first_mismatch(ids, r["token_ids"])
+            pos = first_difference(ids, r["token_ids"])
             r["differs_from"][ref] = pos
             if pos is not None:
                 out.append({"mode": r["mode"], "reference": ref, "max_tokens": r["max_tokens"], "prompt_id": r["prompt_id"],
@@ -735,7 +736,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> int:
                   "specdec_fields": {"ignore_eos": True, "temperature": 0}},
         "services": services, "llama_bench": bench_rows, "summary": summary, "mismatches": mismatches, "runs": runs,
     }
-    (out / "results.json").write_text(json.dumps(_finite(results), indent=1, default=str))
+    write_results(out, results)
     (out / "report.md").write_text(render_markdown(results))
     logger.info("done in %.0f s: %s", results["duration_s"], out)
     print(render_tables(results))

@@ -21,7 +21,6 @@ use it to rank settings, and ``evaluation.bench`` to measure the chosen one.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import statistics
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report
+from evaluation.client import first_difference, write_results
 from orchestrator.controller import CostCurve
 
 logger = logging.getLogger("evaluation.replay")
@@ -73,9 +73,9 @@ def replay(output: Sequence[int], proposals: Sequence[Proposal], k: int, thresho
     while s < len(output):
         n = min(drafted_length(proposals[s], k, threshold), len(output) - s - 1)
         draft = proposals[s].tokens[:max(n, 0)]
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == output[s + accepted]:
-            accepted += 1
+        # the leading draft tokens that match the output are accepted
+        first_wrong = first_difference(draft, output[s:s + len(draft)])
+        accepted = len(draft) if first_wrong is None else first_wrong
         r.rounds += 1
         r.tokens += accepted + 1
         r.drafted += len(draft)
@@ -190,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             f"tokens. Target pass (ms): {costs}; draft token {draft_token_ms:.1f} ms; {args.overhead_ms:g} ms per "
             f"round besides.\n\n{table}\n\nBest: k = {best['k']}, threshold {best['threshold']:g}.\n")
     (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({
+    write_results(out, {
         "command": command, "pass_ms": pass_points, "draft_token_ms": draft_token_ms, "rows": rows,
         "outputs": [{"id": d["id"], "prompt_tokens": d["prompt_tokens"], "output": d["output"]} for d in data],
-    }, indent=1))
+    })
     print(text)
     return 0
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import queue
 import statistics
@@ -38,6 +37,7 @@ import grpc
 
 from evaluation import report
 from evaluation.bench import machine_info
+from evaluation.client import write_results
 from evaluation.procs import ROOT, free_port
 
 logger = logging.getLogger("evaluation.rpcfloor")
@@ -222,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "services": {address: asyncio.run(_health_round_trip(address, args.calls, args.warmup))
                      for address in args.service},
     }
-    (out / "rpcfloor.json").write_text(json.dumps(result, indent=2))
+    write_results(out, result, "rpcfloor.json")
     markdown = render_markdown(result)
     (out / "rpcfloor.md").write_text(markdown)
     print(markdown)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import ipaddress
-import json
 import logging
 import os
 import shlex
@@ -49,10 +48,11 @@ from typing import Any
 
 from evaluation import report
 from evaluation.bench import machine_info, rotation
+from evaluation.client import first_difference, generate_body, write_results
 from evaluation.faultproxy import FaultProxy
 from evaluation.procs import Service, Stack, free_port, wait_grpc
 from evaluation.prompts import SUITE_VERSION, Prompt, load_suite, select, suite_digest
-from evaluation.stats import first_mismatch, mean, paired_speedup, spread, tokens_per_second
+from evaluation.stats import mean, paired_speedup, spread, tokens_per_second
 
 # Not __name__: run as ``python -m evaluation.rtt`` that would be "__main__".
 logger = logging.getLogger("evaluation.rtt")
@@ -214,12 +214,8 @@ def service_env(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str
 
 
 def request_body(prompt: Prompt, mode: str, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, **MODES[mode]}
-    if prompt.chat:
-        body["messages"] = [{"role": "user", "content": prompt.text}]
-    else:
-        body["prompt"] = prompt.text
-    return body
+    """The /v1/generate body of ``mode`` (a key of MODES)."""
+    return generate_body(prompt, max_tokens, **MODES[mode])
 
 
 def run_row(rtt: float, mode: str, prompt: Prompt, order: int, out: dict[str, Any], wall_ms: float) -> dict[str, Any]:
@@ -250,7 +246,7 @@ def check_equality(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["mode"] == BASELINE or ref is None:
             r["identical"], r["first_mismatch"] = None, None
         else:
-            r["first_mismatch"] = first_mismatch(ref, r["token_ids"])
+            r["first_mismatch"] = first_difference(ref, r["token_ids"])
             r["identical"] = r["first_mismatch"] is None
             if not r["identical"]:
                 mismatches.append({k: r[k] for k in ("rtt_ms", "mode", "prompt_id", "first_mismatch")})
@@ -489,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                      "rtt_calls": RTT_CALLS},
         "rtts": measured["rtts"], "mismatches": measured["mismatches"], "summary": summary, "rows": measured["rows"],
     }
-    (out / "rtt.json").write_text(json.dumps(results, indent=1))
+    write_results(out, results, "rtt.json")
     (out / "rtt.md").write_text(render_markdown(results))
     logger.info("done in %.0f s: %s", results["duration_s"], out)
     print(render_table(summary))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import re
@@ -35,6 +34,7 @@ import httpx
 
 from evaluation import report
 from evaluation.bench import machine_info
+from evaluation.client import write_results
 from evaluation.load import LoadClient, summarise_run
 from evaluation.procs import Stack
 from evaluation.prompts import load_suite, select
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     results = {"started": started, "command": command, "machine": machine, "configs": configs,
                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_results(out, results)
     (out / "results.md").write_text(render(results))
     print(render(results))
     failed = any(c["failed"] or c["identical"] != c["compared"] for c in configs)

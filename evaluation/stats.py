@@ -39,15 +39,6 @@ def tokens_per_second(run: dict[str, Any]) -> float:
     return run["tokens"] / (run["elapsed_ms"] / 1e3) if run["elapsed_ms"] > 0 else 0.0
 
 
-def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> int | None:
-    """Index of the first position where the two id sequences differ (a length difference counts
-    at the shorter length); None when equal."""
-    for i, (a, b) in enumerate(zip(reference, other, strict=False)):
-        if a != b:
-            return i
-    return None if len(reference) == len(other) else min(len(reference), len(other))
-
-
 def ideal_speedup(tokens_per_iteration: float, ar_verify_ms_per_token: float,
                   draft_compute_ms_per_iteration: float, verify_compute_ms_per_iteration: float) -> float:
     """Speedup over autoregressive decoding the loop would reach with no protocol or orchestration

@@ -25,7 +25,6 @@ from evaluation.bench import (
 from evaluation.prompts import CATEGORIES, Prompt, load_suite, select, suite_digest
 from evaluation.stats import (
     acceptance_by_category,
-    first_mismatch,
     ideal_speedup,
     paired_speedup,
     percentile,
@@ -74,13 +73,6 @@ def test_percentile_interpolates_like_numpy():
     assert math.isnan(percentile([], 50))
     s = spread([3, 1, 2])
     assert (s["median"], s["min"], s["max"], s["n"]) == (2, 1, 3, 3)
-
-
-def test_first_mismatch():
-    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
-    assert first_mismatch([1, 2, 3], [1, 9, 3]) == 1
-    assert first_mismatch([1, 2, 3], [1, 2]) == 2  # a shorter run differs where it ends
-    assert first_mismatch([], []) is None
 
 
 def test_ideal_speedup_on_hand_made_numbers():
