@@ -121,6 +121,12 @@ import time  # noqa: E402
 from evaluation.procs import answered  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# Under pytest-xdist (`make test` runs two workers) every worker starts services of its own on the
+# same cores: each computes on one thread, or OpenMP's barriers among more threads than free cores
+# would stall a Propose past its deadline and turn speculation off by timing. Their defaults (every
+# core) are what the benchmarks and the single-process runs measure.
+WORKER_ENV = ({"SPECDEC_TARGET_THREADS": "1", "SPECDEC_DRAFT_THREADS": "1"}
+              if os.environ.get("PYTEST_XDIST_WORKER") else {})
 
 
 class Proc:
@@ -133,7 +139,8 @@ class Proc:
         self.name = name
         self.log = log_dir / f"{name}.log"
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", module, *args], cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            [sys.executable, "-m", module, *args], cwd=ROOT,
+            env={**os.environ, **WORKER_ENV, "PYTHONUNBUFFERED": "1", **env},
             stdout=self.log.open("w"), stderr=subprocess.STDOUT,
         )
         Proc.started.append(self)

@@ -117,7 +117,7 @@ def _install_script_flags(tmp_path: Path, env: dict[str, str]) -> str:
     fake.chmod(0o755)
     r = subprocess.run(["bash", str(ROOT / "scripts" / "install_llamacpp.sh"), str(fake)], capture_output=True, text=True,
                        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), **env}, timeout=60)
-    found = re.search(r"with: (.*) \(a few minutes\)", r.stdout)
+    found = re.search(r"with: (.*) \(\d+ parallel jobs; a few minutes\)", r.stdout)
     assert found, r.stdout + r.stderr
     return found.group(1)
 
