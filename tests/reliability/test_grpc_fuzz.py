@@ -35,6 +35,10 @@ CALL_TIMEOUT_S = 60  # far above any legitimate call here: reaching it means a h
 THREADS = 4
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED}
+# The fuzz threads Release the same few session ids their Proposes use: a Propose that arrived
+# before a Release of its session ends CANCELLED (the Release wins, docs/design.md), the one
+# CANCELLED that is proper here.
+RELEASED_FIRST = "was released after this call was made"
 U32, U64 = (1 << 32) - 1, (1 << 64) - 1
 
 SERVICE = {"draft": "specdec.v1.DraftService", "target": "specdec.v1.TargetService"}
@@ -287,7 +291,7 @@ def run_cases(port: int, cases: list[Case], results: Results, metadata: tuple = 
             results.slowest_s = max(results.slowest_s, seconds)
             results.codes[(case.kind, code.name)] += 1
             results.by_code[code.name] += 1
-            if code not in ALLOWED:
+            if code not in ALLOWED and not (code == grpc.StatusCode.CANCELLED and RELEASED_FIRST in details):
                 results.violations.append({"method": case.method, "kind": case.kind, "code": code.name,
                                            "details": details[:200], "payload_hex": case.payload[:96].hex(),
                                            "payload_len": len(case.payload), "seconds": round(seconds, 2)})
