@@ -79,7 +79,7 @@ trap 'rm -rf "$work"' EXIT
 log=$dir.build.log
 
 echo "fetching the llama-cpp-python $VERSION sdist (the llama.cpp source it vendors)" >&2
-if ! "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work/sdist" >"$log" 2>&1; then
+if ! "$PY" -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$work/sdist" >"$log" 2>&1; then
   tail -n 20 "$log" >&2
   echo "error: could not download llama-cpp-python==$VERSION from PyPI (full log: $log)" >&2
   exit 1

@@ -33,14 +33,16 @@ fi
 key=$(printf '%s %s' "$VERSION" "$flags" | sha256sum | cut -c1-16)
 root=${XDG_CACHE_HOME:-$HOME/.cache}/specdec/wheels
 
-# The sdist, once: the wheel is built from it and the converter comes out of it.
+# The sdist, once: the wheel is built from it and the converter comes out of it. Only this package
+# as source (--no-binary llama-cpp-python): the build backend's own requirements, which pip may
+# need to read the sdist's metadata, come as wheels.
 sdist=$root/llama_cpp_python-$VERSION.tar.gz
 fetch_sdist() {
   if [ ! -f "$sdist" ]; then
     mkdir -p "$root"
     echo "fetching the llama-cpp-python $VERSION sdist"
     tmp=$(mktemp -d "$root/sdist.XXXXXX")
-    "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$tmp"
+    "$PY" -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$tmp"
     mv "$tmp/llama_cpp_python-$VERSION.tar.gz" "$sdist"
     rm -rf "$tmp"
   fi
