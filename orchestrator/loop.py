@@ -29,7 +29,7 @@ from typing import Any, Literal
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from orchestrator.clients import DraftClient, Proposed, TargetClient
+from orchestrator.clients import DraftClient, Proposed, TargetClient, Verified
 from orchestrator.controller import Controller, StepObservation
 from specdec.params import Sampling
 
@@ -292,7 +292,7 @@ class _Step:
     draft_wait_ms: float = 0.0  # what this step waited for drafts
     predrafted: bool = False
     tokens: list[int] = field(default_factory=list)  # the draft verified
-    verified: Any = None  # the target's Verified answer
+    verified: Verified | None = None  # the target's answer (set by verify)
     new: list[int] = field(default_factory=list)  # tokens appended
     kind: Literal["bonus", "correction", "plain"] = "plain"
     done: bool = False

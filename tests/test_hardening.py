@@ -569,3 +569,14 @@ def test_undecodable_requests_are_invalid_argument_and_auth_comes_first(engine):
                     assert err.value.code() == expected, (method, err.value.details())
         finally:
             server.stop(0)
+
+
+async def test_a_route_before_start_up_is_503_not_a_crash(app):
+    """The runtime is built by the lifespan: a request that reaches a route before it (or an app
+    served without its lifespan) gets a 503 that says to retry, not a 500."""
+    transport = httpx.ASGITransport(app=app)  # no lifespan: app.state has no runtime
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        r = await client.post("/v1/generate", json={"prompt": "hello", "max_tokens": 2})
+        info = await client.get("/v1/info")
+    assert r.status_code == 503 and "starting" in r.json()["detail"]
+    assert info.status_code == 503
