@@ -94,6 +94,9 @@ FROM deps AS wheel
 WORKDIR /src
 COPY . .
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+# specdec's native kernels, compiled here (the runtime image has no compiler); one build serves any
+# x86-64 CPU (docs/performance.md, "The target step at the floor")
+RUN SPECDEC_NATIVE_DIR=/opt/specdec/native python -m specdec.native
 
 FROM ${PYTHON_IMAGE} AS runtime
 # llama.cpp's kernels use OpenMP; torch ships its own copy, llama-cpp-python links the system's.
@@ -132,6 +135,8 @@ COPY --from=embedded /opt/specdec/cache /opt/specdec/cache
 # compose.yaml, an emptyDir in deploy/).
 RUN mkdir -p /opt/specdec/cache/gguf && chown specdec:specdec /opt/specdec/cache/gguf
 COPY --from=wheel /wheels /tmp/wheels
+COPY --from=wheel /opt/specdec/native /opt/specdec/native
+ENV SPECDEC_NATIVE_DIR=/opt/specdec/native
 RUN pip install --no-cache-dir --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels
 USER 10001:10001
 WORKDIR /home/specdec

@@ -57,6 +57,12 @@ OTHER_VARIABLES: tuple[tuple[str, str], ...] = (
     ("SPECDEC_LLAMACPP_CONVERTER", "Folder of llama.cpp's `convert_hf_to_gguf.py` (with `conversion/` and `gguf-py/`) "
                                    "that `specdec.gguf_convert` runs; default `<venv>/share/specdec/llama.cpp`, "
                                    "where `scripts/install_llamacpp.sh` keeps the one of the llama.cpp it builds."),
+    ("SPECDEC_NATIVE", "`0` keeps specdec's runner on torch ops instead of its native C kernels (`specdec.native`: "
+                       "norms, rotary, attention and the SwiGLU gate of Llama and GPT-2 models; ~2-4 ms a step "
+                       "faster). Default `1`: compiled with `$CC` (else `cc`) on first use; without a compiler the "
+                       "runner logs why and uses torch ops."),
+    ("SPECDEC_NATIVE_DIR", "Folder of the compiled native kernels (default `<SPECDEC_CACHE_DIR>/native`); the container "
+                           "image ships them prebuilt in `/opt/specdec/native`."),
     ("SPECDEC_LLAMACPP_AVX512", "`off` builds llama-cpp-python without AVX-512 in `scripts/install_llamacpp.sh` "
                                 "(portable AVX2 build); default `auto` uses it where the CPU has it."),
 )

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specdec.native import Kernels, kernels
 from specdec.ragged import Segment
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,9 @@ class _Runner:
         self.group = heads // kv_heads
         self.scale = scale
         self.lm_head = lm_head
+        # specdec.native's kernels for the work between the linears (None: torch ops, same results
+        # up to rounding); the packed weights this runner needs are fp32 on the CPU, and so is its KV
+        self.native: Kernels | None = kernels() if lm_head.weight.device.type == "cpu" else None
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         """Logits [R, V] fp32 of the ``keep`` rows of ``batch``; writes every segment's keys and
@@ -217,11 +221,13 @@ class LlamaRunner(_Runner):
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         t = batch.ids.shape[0]
-        heads, kvh, d = self.heads, self.kv_heads, self.head_dim
         x = pad_rows(F.embedding(batch.ids, self.embed))
         tp = x.shape[0]
         positions = batch.positions if tp == t else torch.cat((batch.positions, batch.positions.new_zeros(tp - t)))
         cos, sin = self.rotary(x, positions[None])  # [1, Tp, D]: cos and sin repeated over both halves
+        if self.native is not None:
+            return self._forward_native(x, cos[0], sin[0], batch)
+        heads, kvh, d = self.heads, self.kv_heads, self.head_dim
         half = d // 2
         # transformers' rotary: q * cos + rotate_half(q) * sin, rotate_half(q) = (-q2, q1), so with
         # the sign folded into sin it is the two halves swapped (a flip), times (-sin1, sin2)
@@ -239,6 +245,22 @@ class LlamaRunner(_Runner):
             gate_up = wgate_up(self._norm(x, ln2))  # [Tp, 2 * intermediate]
             x = wdown.add(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:], x)
         return self._logits(x, batch.keep, lambda y: self._norm(y, self.final_norm))
+
+    def _forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: RunnerBatch) -> torch.Tensor:
+        """:meth:`forward` with the work between the linears in specdec.native, three calls a layer:
+        each residual add fused with the norm after it, rotary + KV write + attention, the gate."""
+        native, eps = self.native, self.eps
+        heads, kvh, d = self.heads, self.kv_heads, self.head_dim
+        table = native.segment_table(batch.segments)
+        offsets = (0, heads * d, (heads + kvh) * d)
+        attn = x.new_zeros(x.shape[0], heads * d)  # rows outside every segment (padding) stay 0
+        norms = [layer[0] for layer in self.layers[1:]] + [self.final_norm]  # the norm after each layer
+        h = native.add_norm(x, None, self.layers[0][0], None, eps)
+        for i, (_, wqkv, wo, ln2, wgate_up, wdown) in enumerate(self.layers):
+            native.attention(wqkv(h), offsets, heads, kvh, d, cos, sin, table, i, self.scale, attn)
+            h = native.add_norm(x, wo(attn), ln2, None, eps)  # x += attention's projection
+            h = native.add_norm(x, wdown(native.silu_mul(wgate_up(h))), norms[i], None, eps)  # x += the MLP's
+        return self._logits(h, batch.keep, lambda y: y)
 
 
 class GPT2Runner(_Runner):
@@ -274,6 +296,8 @@ class GPT2Runner(_Runner):
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         heads, d, n = self.heads, self.head_dim, self.hidden
         x = pad_rows(F.embedding(batch.ids, self.wte) + F.embedding(batch.positions, self.wpe))
+        if self.native is not None:
+            return self._forward_native(x, batch)
         tp = x.shape[0]
         masks = self._masks(batch.segments)
         attn = x.new_zeros(tp, n)
@@ -284,6 +308,20 @@ class GPT2Runner(_Runner):
             x = mlp_proj.add(c_fc(F.layer_norm(x, (n,), w2, b2, self.eps), "gelu", "tanh"), x)
         w, b = self.final_norm
         return self._logits(x, batch.keep, lambda y: F.layer_norm(y, (n,), w, b, self.eps))
+
+    def _forward_native(self, x: torch.Tensor, batch: RunnerBatch) -> torch.Tensor:
+        """:meth:`forward` with norms (each fused with the residual add before it) and attention in
+        specdec.native."""
+        native, eps, heads, d, n = self.native, self.eps, self.heads, self.head_dim, self.hidden
+        table = native.segment_table(batch.segments)
+        attn = x.new_zeros(x.shape[0], n)  # rows outside every segment (padding) stay 0
+        norms = [(layer[0], layer[1]) for layer in self.layers[1:]] + [self.final_norm]  # after each layer
+        h = native.add_norm(x, None, self.layers[0][0], self.layers[0][1], eps)
+        for i, (_, _, c_attn, c_proj, w2, b2, c_fc, mlp_proj) in enumerate(self.layers):
+            native.attention(c_attn(h), (0, n, 2 * n), heads, heads, d, None, None, table, i, self.scale, attn)
+            h = native.add_norm(x, c_proj(attn), w2, b2, eps)
+            h = native.add_norm(x, mlp_proj(c_fc(h, "gelu", "tanh")), *norms[i], eps)
+        return self._logits(h, batch.keep, lambda y: y)
 
 
 RUNNERS: dict[str, type[_Runner]] = {"llama": LlamaRunner, "gpt2": GPT2Runner}

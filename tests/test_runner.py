@@ -16,8 +16,18 @@ IDS = [3, 17, 5, 22, 9, 31, 4, 12, 28, 7, 19, 2, 25, 11, 6, 33, 14, 8, 21, 10, 2
 ARCHS = {"llama": LlamaRunner, "gpt2": GPT2Runner}
 
 
-def _lm(path: str, **kwargs) -> CachedCausalLM:
-    return CachedCausalLM(load_hf(path).model, SessionStore(8, 1 << 30, 0), **kwargs)
+def _lm(path: str, native: bool = True, **kwargs) -> CachedCausalLM:
+    """A cached LM on ``path``; ``native=False`` runs the runner's torch ops instead of
+    specdec.native's kernels (both must compute what transformers computes)."""
+    lm = CachedCausalLM(load_hf(path).model, SessionStore(8, 1 << 30, 0), **kwargs)
+    if lm.runner is not None:
+        assert lm.runner.native is not None, "specdec.native did not build (is a C compiler installed?)"
+        if not native:
+            lm.runner.native = None
+    return lm
+
+
+NATIVE = pytest.mark.parametrize("native", [True, False], ids=["native", "torch-ops"])
 
 
 def _reference(path: str, ids: list[int]) -> tuple[torch.Tensor, object]:
@@ -29,9 +39,10 @@ def _reference(path: str, ids: list[int]) -> tuple[torch.Tensor, object]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_runner_logits_match_transformers_through_prefill_verify_and_steps(tiny_models, arch):
+@NATIVE
+def test_runner_logits_match_transformers_through_prefill_verify_and_steps(tiny_models, arch, native):
     path = tiny_models[f"{arch}-target"]
-    lm = _lm(path)
+    lm = _lm(path, native)
     assert isinstance(lm.runner, ARCHS[arch])
     full, _ = _reference(path, IDS)
     s = lm.session("s")
@@ -57,20 +68,22 @@ def test_padded_rows_bucket_long_passes_by_at_most_an_eighth():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_long_prefill_padded_to_its_bucket_matches_transformers(tiny_models, arch):
+@NATIVE
+def test_a_long_prefill_padded_to_its_bucket_matches_transformers(tiny_models, arch, native):
     path = tiny_models[f"{arch}-target"]
     ids = [IDS[i % len(IDS)] for i in range(PACK_EXACT_ROWS + 9)]  # 73 rows, computed as 80
     assert padded_rows(len(ids)) > len(ids)
     full, _ = _reference(path, ids)
-    lm = _lm(path)
+    lm = _lm(path, native)
     logits, cached = lm.extend(lm.session("long"), ids[:-4], ids[-4:])
     assert cached == 0 and torch.allclose(logits, full[-5:], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_runner_writes_the_keys_and_values_transformers_caches(tiny_models, arch):
+@NATIVE
+def test_runner_writes_the_keys_and_values_transformers_caches(tiny_models, arch, native):
     path = tiny_models[f"{arch}-target"]
-    lm = _lm(path)
+    lm = _lm(path, native)
     _, cache = _reference(path, IDS[:15])
     s = lm.session("kv")
     lm.extend(s, IDS[:9])
@@ -82,11 +95,12 @@ def test_runner_writes_the_keys_and_values_transformers_caches(tiny_models, arch
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_session_computes_the_same_alone_or_batched(tiny_models, arch):
+@NATIVE
+def test_a_session_computes_the_same_alone_or_batched(tiny_models, arch, native):
     """One pass over three sessions at different cached lengths gives each session exactly the
     logits it gets in a pass of its own: no row reads another session's rows or cache."""
     path = tiny_models[f"{arch}-target"]
-    alone, batched = _lm(path), _lm(path)
+    alone, batched = _lm(path, native), _lm(path, native)
     plans = [(IDS[:20], IDS[:24], 3), (IDS[:3], IDS[:5], 2), ([], IDS[:11], 1)]
     results = []
     for lm in (alone, batched):

@@ -1,0 +1,192 @@
+"""specdec's native kernels (kernels.c): a decoder layer's work between its linears, in C.
+
+specdec.runner calls three of them a layer (residual add + norm, rotary + KV write + attention,
+the SwiGLU gate) instead of ~20 small torch ops; see kernels.c for what they compute and why a row's result
+never depends on the rows beside it.
+
+The library is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into
+``<cache>/native/`` (``SPECDEC_NATIVE_DIR`` overrides the folder), one file per source, flags and
+architecture, so a changed kernel builds anew and a stale build is never loaded. One
+build serves every x86-64 CPU (its vector code is cloned per instruction set and chosen at load
+time). Without a compiler, or when the build fails, :func:`kernels` returns None with the reason
+logged, and the runner keeps its torch ops (the same results up to rounding, a few ms a step
+slower). ``python -m specdec.native`` builds it ahead of time (the container image does) and
+prints where it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  # loaded first: the library's OpenMP calls then run on torch's own libgomp pool
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=fast", "-std=gnu11")
+DISABLE_ENV = "SPECDEC_NATIVE"  # "0": never build or load (the runner keeps its torch ops)
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+
+
+class NativeError(RuntimeError):
+    """The native library could not be built or loaded."""
+
+
+def _folder() -> Path:
+    env = os.environ.get("SPECDEC_NATIVE_DIR")
+    if env:
+        return Path(env)
+    from specdec.settings import default_cache_dir
+
+    return Path(default_cache_dir()) / "native"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or "cc"
+    path = shutil.which(cc)
+    if path is None:
+        raise NativeError(f"no C compiler ({cc!r} not on PATH; install gcc, or set CC)")
+    return path
+
+
+def library_name() -> str:
+    """The library's file name: a digest of the source, the flags and the machine architecture,
+    so a changed kernel builds anew and a stale build is never loaded (a prebuilt library, as in
+    the container image, needs no compiler where it runs)."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"
+
+
+def build(folder: Path | None = None) -> Path:
+    """The compiled library's path, compiling it first when ``folder`` has no build of this source
+    and flags yet (raises :class:`NativeError` with the compiler's message)."""
+    folder = folder or _folder()
+    target = folder / library_name()
+    if target.exists():
+        return target
+    cc = _compiler()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise NativeError(f"cannot create {folder}: {exc}") from exc
+    # compiled beside the target and renamed into place: processes starting together never load a
+    # half-written file (each may compile; the last rename wins, all builds are the same)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=folder)
+    except OSError as exc:
+        raise NativeError(f"cannot write to {folder}: {exc}") from exc
+    os.close(fd)
+    cmd = [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+    logger.info("compiling specdec's native kernels (a few seconds, once): %s", " ".join(cmd))
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise NativeError(f"{Path(cc).name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeError(f"compiling {SOURCE.name} failed: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class Kernels:
+    """The loaded library. Callers pass contiguous fp32 CPU tensors (the runner checks once, at
+    construction, that its model qualifies; these calls check nothing, for speed)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self._add_norm = lib.sd_add_norm
+        self._add_norm.argtypes = [_P, _P, _P, _P, _P, _I, _I, _F]
+        self._add_norm.restype = None
+        self._silu_mul = lib.sd_silu_mul
+        self._silu_mul.argtypes = [_P, _P, _I, _I]
+        self._silu_mul.restype = None
+        self._attention = lib.sd_attention
+        self._attention.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _I]
+        self._attention.restype = ctypes.c_int
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                 eps: float) -> torch.Tensor:
+        """``x += delta`` in place (when ``delta`` is given: a residual connection), then the norm
+        of each row of the [rows, n] ``x``: RMSNorm ``x * rsqrt(mean(x**2) + eps) * weight`` when
+        ``bias`` is None, else LayerNorm ``(x - mean) * rsqrt(var + eps) * weight + bias``."""
+        out = torch.empty_like(x)
+        self._add_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                       None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x * rsqrt(mean(x**2, -1) + eps) * weight`` of a [rows, n] tensor."""
+        return self.add_norm(x, None, weight, None, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a [rows, 2 * n] tensor holding gate then up."""
+        rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, n)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n)
+        return out
+
+    @staticmethod
+    def segment_table(segments: list) -> torch.Tensor:
+        """The [segments, 5] int64 table :meth:`attention` reads: each segment's KV buffer address,
+        its capacity, start position, rows and first packed row."""
+        return torch.tensor([[s.kv.kv.data_ptr(), s.kv.kv.shape[3], s.start, s.rows, s.offset] for s in segments],
+                            dtype=torch.int64)
+
+    def attention(self, qkv: torch.Tensor, offsets: tuple[int, int, int], heads: int, kv_heads: int, head_dim: int,
+                  cos: torch.Tensor | None, sin: torch.Tensor | None, table: torch.Tensor, layer: int, scale: float,
+                  out: torch.Tensor) -> None:
+        """Rotate (when ``cos``/``sin`` are given) the q and k heads of every segment's rows of
+        ``qkv`` in place, write the rows' keys and values into their sessions' buffers (layer
+        ``layer``), and write each row's attention over its session's positions up to its own
+        into ``out`` [T, heads * head_dim]."""
+        rc = self._attention(qkv.data_ptr(), qkv.shape[1], offsets[0], offsets[1], offsets[2], heads, kv_heads,
+                             head_dim, None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+                             table.data_ptr(), table.shape[0], layer, scale, out.data_ptr(), out.shape[1])
+        if rc:
+            raise MemoryError("native attention: no memory for its scores")
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The native kernels of this process, built on first use; None when disabled
+    (``SPECDEC_NATIVE=0``) or when they cannot be built or loaded (the reason is logged once)."""
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        logger.info("native kernels disabled (%s=0)", DISABLE_ENV)
+        return None
+    try:
+        return Kernels(build())
+    except (NativeError, OSError) as exc:
+        logger.warning("native kernels unavailable, the runner keeps torch ops (a few ms a step slower): %s", exc)
+        return None
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        path = build()
+    except NativeError as exc:
+        print(f"specdec.native: {exc}", file=sys.stderr)
+        return 1
+    Kernels(path)
+    print(path)
+    return 0

@@ -1,0 +1,5 @@
+import sys
+
+from specdec.native import main
+
+sys.exit(main())

@@ -1,0 +1,214 @@
+"""specdec.native's kernels against torch references: the same values to fp32 rounding, and rows
+that never change each other's results (bit for bit), which is what lets a verify pass compute
+exactly what plain steps compute. Also how the library is built, found and refused."""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import specdec.native as native_mod
+from specdec.native import NativeError, build, kernels
+from specdec.ragged import Segment, SessionKV
+
+
+@pytest.fixture(scope="module")
+def native():
+    k = kernels()
+    assert k is not None, "specdec.native did not build (is a C compiler installed?)"
+    return k
+
+
+def test_rms_norm_matches_torch(native):
+    gen = torch.Generator().manual_seed(0)
+    for rows, n in [(1, 576), (4, 576), (9, 37), (17, 16)]:  # 37: a tail past the last 16 floats
+        x, w = torch.randn(rows, n, generator=gen) * 3, torch.randn(n, generator=gen)
+        assert torch.allclose(native.rms_norm(x, w, 1e-5), F.rms_norm(x, (n,), w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul_matches_torch_across_the_exp_range(native):
+    gate = torch.cat((torch.linspace(-100, 100, 1001), torch.tensor([-1e4, 1e4, 0.0]))).repeat(2, 1)
+    up = torch.randn(gate.shape, generator=torch.Generator().manual_seed(1))
+    got = native.silu_mul(torch.cat((gate, up), dim=1))
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary on [T, heads, D]: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def _layout(heads: int, kvh: int, d: int, plans: list[tuple[int, int]], layers: int = 2, seed: int = 0):
+    """Packed q/k/v rows for segments of (cached, new) tokens, their sessions' KV buffers with
+    random cached keys and values, and rotary tables."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(new for _, new in plans)
+    width = (heads + 2 * kvh) * d
+    qkv = torch.randn(rows, width, generator=gen)
+    segments, offset = [], 0
+    for cached, new in plans:
+        kv = SessionKV(layers, kvh, d, torch.float32, torch.device("cpu"))
+        kv.ensure(cached + new, 4096)
+        kv.kv.copy_(torch.randn(kv.kv.shape, generator=gen))
+        segments.append(Segment(kv, cached, new, offset))
+        offset += new
+    positions = torch.cat([torch.arange(c, c + n) for c, n in plans]).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = positions[:, None] * inv[None]
+    cos, sin = torch.cat((angles.cos(),) * 2, dim=-1), torch.cat((angles.sin(),) * 2, dim=-1)
+    return qkv, segments, cos.contiguous(), sin.contiguous()
+
+
+def _reference(qkv, segments, cos, sin, heads, kvh, d, layer, rotary):
+    """Rotated q/k per row, then per segment softmax(q k^T / sqrt(d)) v causal over its session."""
+    t = qkv.shape[0]
+    q = qkv[:, : heads * d].view(t, heads, d)
+    k = qkv[:, heads * d : (heads + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (heads + kvh) * d :].view(t, kvh, d)
+    if rotary:
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    out = torch.zeros(t, heads * d)
+    kvs = []
+    for seg in segments:
+        lo, hi, end = seg.offset, seg.offset + seg.rows, seg.start + seg.rows
+        keys = torch.cat((seg.kv.kv[layer, 0, :, : seg.start], k[lo:hi].transpose(0, 1)), dim=1)
+        values = torch.cat((seg.kv.kv[layer, 1, :, : seg.start], v[lo:hi].transpose(0, 1)), dim=1)
+        kvs.append((keys, values))
+        mask = torch.ones(seg.rows, end, dtype=torch.bool).tril(diagonal=seg.start)
+        o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), keys, values, attn_mask=mask,
+                                           enable_gqa=kvh != heads)  # [heads, rows, D]
+        out[lo:hi] = o.transpose(0, 1).reshape(seg.rows, heads * d)
+    return out, kvs
+
+
+@pytest.mark.parametrize("heads,kvh,d,rotary", [(9, 3, 64, True), (4, 4, 40, False), (2, 1, 128, True)])
+def test_attention_matches_sdpa_and_writes_the_rotated_keys(native, heads, kvh, d, rotary):
+    """Three sessions at different cached lengths (one with nothing cached), grouped-query or
+    not, head sizes on and off the 16-float vectors, with and without rotary, on layer 1."""
+    plans = [(20, 3), (0, 7), (130, 1)]
+    qkv, segments, cos, sin = _layout(heads, kvh, d, plans)
+    want, kvs = _reference(qkv.clone(), segments, cos, sin, heads, kvh, d, 1, rotary)
+    out = torch.zeros(qkv.shape[0], heads * d)
+    native.attention(qkv, (0, heads * d, (heads + kvh) * d), heads, kvh, d, cos if rotary else None,
+                     sin if rotary else None, native.segment_table(segments), 1, d ** -0.5, out)
+    assert torch.allclose(out, want, rtol=1e-4, atol=1e-5)
+    for seg, (keys, values) in zip(segments, kvs, strict=True):
+        end = seg.start + seg.rows
+        assert torch.allclose(seg.kv.kv[1, 0, :, :end], keys, atol=1e-5)
+        assert torch.equal(seg.kv.kv[1, 1, :, :end], values)
+
+
+def test_attention_rows_are_independent_bit_for_bit(native):
+    """A segment of 17 rows computes exactly what 17 one-row passes compute, and a session's rows
+    do not change when other sessions share the pass (the verify = plain steps contract)."""
+    heads, kvh, d = 9, 3, 64
+    offsets = (0, heads * d, (heads + kvh) * d)
+    qkv, segments, cos, sin = _layout(heads, kvh, d, [(300, 17)], layers=1, seed=3)
+    snapshot = segments[0].kv.kv.clone()
+    together = torch.zeros(17, heads * d)
+    native.attention(qkv.clone(), offsets, heads, kvh, d, cos, sin, native.segment_table(segments), 0, 0.125,
+                     together)
+    segments[0].kv.kv.copy_(snapshot)
+    for r in range(17):  # the same tokens one at a time, each after the ones before it
+        one = Segment(segments[0].kv, 300 + r, 1, 0)
+        out = torch.zeros(1, heads * d)
+        native.attention(qkv[r : r + 1].clone(), offsets, heads, kvh, d, cos[r : r + 1].contiguous(),
+                         sin[r : r + 1].contiguous(), native.segment_table([one]), 0, 0.125, out)
+        assert torch.equal(out[0], together[r]), f"row {r} differs"
+    # beside two other sessions, in the middle of the pass
+    other, others, ocos, osin = _layout(heads, kvh, d, [(50, 5), (0, 4)], layers=1, seed=4)
+    segments[0].kv.kv.copy_(snapshot)
+    mine = Segment(segments[0].kv, 300, 17, 5)
+    packed = torch.cat((other[:5], qkv, other[5:]))
+    pcos, psin = torch.cat((ocos[:5], cos, ocos[5:])), torch.cat((osin[:5], sin, osin[5:]))
+    out = torch.zeros(packed.shape[0], heads * d)
+    table = native.segment_table([others[0], mine, Segment(others[1].kv, 0, 4, 22)])
+    native.attention(packed, offsets, heads, kvh, d, pcos, psin, table, 0, 0.125, out)
+    assert torch.equal(out[5:22], together)
+
+
+def test_a_row_after_a_huge_score_gap_stays_finite(native):
+    """Scores far below the row's maximum underflow to ~0 (exp is clamped), never NaN."""
+    heads, kvh, d = 1, 1, 16
+    qkv, segments, _, _ = _layout(heads, kvh, d, [(3, 1)], layers=1)
+    segments[0].kv.kv[0, 0, 0, 0] = torch.full((d,), 1e4)  # one key that dominates
+    qkv[0, :d] = 10.0
+    out = torch.zeros(1, d)
+    native.attention(qkv, (0, d, 2 * d), heads, kvh, d, None, None, native.segment_table(segments), 0, 1.0, out)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[0], segments[0].kv.kv[0, 1, 0, 0], atol=1e-4)
+
+
+def test_build_reuses_its_library_and_rebuilds_for_a_changed_source(tmp_path, monkeypatch):
+    first = build(tmp_path)
+    assert first.exists() and build(tmp_path) == first  # the same source and flags: no new build
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
+    monkeypatch.setenv("CC", "no-such-cc-here")
+    assert build(tmp_path) == first  # a prebuilt library needs no compiler
+    monkeypatch.delenv("CC")
+    changed = tmp_path / "src" / "kernels.c"
+    changed.parent.mkdir()
+    changed.write_text(native_mod.SOURCE.read_text() + "\nint sd_changed(void) { return 1; }\n")
+    monkeypatch.setattr(native_mod, "SOURCE", changed)
+    second = build(tmp_path)
+    assert second != first and second.exists()
+
+
+def test_a_missing_or_failing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-cc-here")
+    with pytest.raises(NativeError, match="no C compiler"):
+        build(tmp_path)
+    failing = tmp_path / "cc-fails"
+    failing.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "broken 0"; exit 0; fi\n'
+                       'echo "kernels.c:1: error: boom" >&2; exit 1\n')
+    failing.chmod(failing.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(failing))
+    with pytest.raises(NativeError, match="boom"):
+        build(tmp_path / "out")
+    assert not [p for p in (tmp_path / "out").iterdir()]  # nothing half-written left
+
+
+def test_kernels_fall_back_to_none_when_disabled_or_unbuildable(tmp_path, monkeypatch):
+    try:
+        kernels.cache_clear()
+        monkeypatch.setenv("SPECDEC_NATIVE", "0")
+        assert kernels() is None
+        kernels.cache_clear()
+        monkeypatch.setenv("SPECDEC_NATIVE", "1")
+        monkeypatch.setenv("SPECDEC_NATIVE_DIR", str(tmp_path))
+        monkeypatch.setenv("CC", "no-such-cc-here")
+        assert kernels() is None
+    finally:
+        kernels.cache_clear()
+
+
+def test_exp_is_accurate_over_softmax_inputs(native):
+    """softmax through the kernel's own exp: one key per score, values one-hot, so the output is
+    the softmax itself."""
+    d = 16
+    scores = torch.linspace(-80, 0, 15)
+    qkv = torch.zeros(1, 3 * d)
+    qkv[0, 0] = 1.0
+    kv = SessionKV(1, 1, d, torch.float32, torch.device("cpu"))
+    kv.ensure(16, 16)
+    kv.kv.zero_()
+    kv.kv[0, 0, 0, :15, 0] = scores
+    for j in range(16):
+        kv.kv[0, 1, 0, j, j] = 1.0
+    qkv[0, d:2 * d] = 0.0  # the new row's key: score 0
+    qkv[0, 2 * d:] = torch.eye(d)[15]
+    out = torch.zeros(1, d)
+    native.attention(qkv, (0, d, 2 * d), 1, 1, d, None, None, native.segment_table([Segment(kv, 15, 1, 0)]), 0,
+                     1.0, out)
+    want = torch.softmax(torch.cat((scores, torch.zeros(1))), 0)
+    assert torch.allclose(out[0], want, rtol=1e-5, atol=1e-30)
+    assert math.isclose(float(out.sum()), 1.0, rel_tol=1e-6)
+    assert os.path.exists(native_mod.kernels().path)
