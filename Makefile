@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml scripts/install_llamacpp.sh
 	bash scripts/install_llamacpp.sh $(PY)
 	# Convert the embedded model to a safetensors cache once, so services start in ~1 s.
 	$(PY) -m specdec.prepare
+	# specdec's native kernels (a few seconds; a service would otherwise compile them at start-up).
+	$(PY) -m specdec.native
 	touch $(STAMP)
 
 ## The whole stack (draft, target, orchestrator, dashboard) on the embedded default.
