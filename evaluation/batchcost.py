@@ -9,9 +9,10 @@ than a target one and plain decoding wins. Each session has ``--context`` tokens
 (random ids, the same for every mode); every figure is the median of ``--repeats`` steps.
 The services set the same thread counts (target: all cores, with the bounded OpenMP spin;
 draft: llama.cpp on one thread, as when it yields cores to a busy target), so the figures match
-what they pay per step under load. ``--kernels runner packed onednn mkl`` times the target's passes
-each way the engine can run them, interleaved: specdec's own forward (``specdec.runner``, on
-weights packed at load: the service's default for Llama and GPT-2), and transformers' forward with
+what they pay per step under load. ``--kernels runner runner-ops packed onednn mkl`` times the
+target's passes each way the engine can run them, interleaved: specdec's own forward
+(``specdec.runner``, on weights packed at load: the service's default for Llama and GPT-2), with
+specdec.native's kernels between the linears or on torch ops only, and transformers' forward with
 each linear kernel of ``specdec.engine._FastLinears``: oneDNN on the packed weights, oneDNN on the
 row-major weights from 5 rows with MKL below, and MKL alone.
 
@@ -37,8 +38,9 @@ from evaluation.client import write_results
 logger = logging.getLogger("evaluation.batchcost")
 
 KERNELS = ("packed", "onednn", "mkl")  # specdec.engine.KERNELS (that module imports torch)
-# how a target pass can run: specdec's runner, or transformers' forward on each linear kernel
-VARIANTS = ("runner", *KERNELS)
+# how a target pass can run: specdec's runner (with its native kernels, or on torch ops only), or
+# transformers' forward on each linear kernel
+VARIANTS = ("runner", "runner-ops", *KERNELS)
 # transformers.GPT2Config overrides of the random models --target random:NAME builds
 RANDOM_CONFIGS: dict[str, dict[str, Any]] = {"gpt2": {}, "distilgpt2": {"n_layer": 6}}
 
@@ -58,7 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", default="embedded", help="draft GGUF for llama.cpp (default the embedded one); none skips it")
     p.add_argument("--kernels", nargs="+", choices=VARIANTS, default=["runner"],
                    help="how target passes run, compared interleaved: runner (the service's default: specdec's own "
-                        "forward on weights packed at load), or transformers' forward with the linear kernel packed "
+                        "forward on weights packed at load, with specdec.native's kernels between the linears), "
+                        "runner-ops (the same forward on torch ops only, as without a C compiler), or transformers' "
+                        "forward with the linear kernel packed "
                         "(oneDNN on the packed weights), onednn (oneDNN on the row-major weights for passes of "
                         "specdec.engine.ONEDNN_MIN_ROWS rows or more, MKL below) or mkl (MKL at any row count); "
                         "default runner")
@@ -117,7 +121,10 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
     fast = engine.lm.fast_linears
     runner = engine.lm.runner
     default = fast.kernel
-    available = ("runner",) * (runner is not None) + fast.kernels
+    native = runner.native if runner is not None else None
+    available = ("runner",) * (runner is not None) + ("runner-ops",) * (runner is not None) + fast.kernels
+    if "runner" in args.kernels and runner is not None and native is None:
+        raise SystemExit("specdec.native's kernels are unavailable here (see the log): runner-ops is the runner without them")
     missing = [k for k in args.kernels if k not in available]
     if missing:
         raise SystemExit(f"this model and torch build cannot run {', '.join(missing)}; they have {', '.join(available)}")
@@ -131,8 +138,10 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
             times: dict[str, list[float]] = {k: [] for k in args.kernels}
             for _ in range(args.repeats):
                 for kernel in args.kernels:  # interleaved, so drift of the machine hits each alike
-                    engine.lm.runner = runner if kernel == "runner" else None
-                    fast.kernel = "packed" if kernel == "runner" else kernel
+                    engine.lm.runner = runner if kernel.startswith("runner") else None
+                    if runner is not None:
+                        runner.native = native if kernel == "runner" else None
+                    fast.kernel = "packed" if kernel.startswith("runner") else kernel
                     # each step: the session's next token (uncached) plus q - 1 draft tokens
                     jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1))
                             for i, s in enumerate(seqs)]
@@ -145,6 +154,8 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
                 out[(kernel, b, q)] = statistics.median(times[kernel])
                 logger.info("target (%s): %d sessions × %d rows: %.1f ms", kernel, b, q, out[(kernel, b, q)])
     fast.kernel, engine.lm.runner = default, runner
+    if runner is not None:
+        runner.native = native
     return out
 
 
