@@ -26,7 +26,7 @@ from orchestrator.loop import DraftHealth
 from orchestrator.openai_api import router as openai_router
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.runtime import READY_RECHECK_S, Runtime, connect, keep_connected
-from orchestrator.schemas import GenerateRequest, GenerateResponse, Step
+from orchestrator.schemas import GenerateRequest, GenerateResponse
 from orchestrator.server_stats import router as server_router
 from orchestrator.service import (
     Run,
@@ -247,7 +247,7 @@ async def generate_route(body: GenerateRequest, request: Request, rt: Runtime = 
     return GenerateResponse(
         text=result["text"], token_ids=result["token_ids"], prompt_tokens=run.prompt_tokens,
         finish_reason=result["finish_reason"], mode=body.mode, controller=run.controller_name,
-        steps=[to_step(s) for s in steps] if body.include_steps else [], stats=result["stats"],
+        steps=steps if body.include_steps else [], stats=result["stats"],
     )
 
 
@@ -263,15 +263,10 @@ async def generate_stream(body: GenerateRequest, request: Request,
     async def sse() -> AsyncIterator[dict[str, str]]:
         async for kind, payload in events:
             if kind == "step":
-                payload = {**payload, "token_texts": [tokenizer.decode([t]) for t in payload["draft"]],
-                           "next_token_text": tokenizer.decode([payload["next_token"]])}
-            yield {"event": kind, "data": json.dumps(payload)}
+                texts = {"token_texts": [tokenizer.decode([t]) for t in payload.draft],
+                         "next_token_text": tokenizer.decode([payload.next_token])}
+                yield {"event": kind, "data": payload.model_copy(update=texts).model_dump_json()}
+            else:
+                yield {"event": kind, "data": json.dumps(payload)}
 
     return BoundedEventSource(sse(), rt.settings.stream_send_timeout_s)
-
-
-def to_step(s: dict[str, Any]) -> Step:
-    correction = s["next_token"] if s["next_kind"] == "correction" else None
-    bonus = s["next_token"] if s["next_kind"] != "correction" else None
-    return Step(draft=s["draft"], accepted=s["accepted"], correction=correction, bonus=bonus, k=s["k"],
-                draft_ms=round(s["draft_ms"], 3), verify_ms=round(s["verify_ms"], 3), predrafted=s["predrafted"])

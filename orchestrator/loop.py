@@ -1,4 +1,4 @@
-"""The speculative loop: draft -> verify -> accept -> adapt k, one step event at a time.
+"""The speculative loop: draft -> verify -> accept -> adapt k, one :class:`Step` at a time.
 
 Greedy output equals plain greedy decoding of the target token for token: the target decides
 every token (accepted draft tokens are exactly its argmax), the draft only decides how many land
@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import grpc
@@ -31,6 +31,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from orchestrator.clients import DraftClient, Proposed, TargetClient, Verified
 from orchestrator.controller import Controller, StepObservation
+from orchestrator.schemas import Step
 from specdec.params import Sampling
 
 logger = logging.getLogger(__name__)
@@ -95,37 +96,6 @@ class GenerationParams:
     # concurrency the batched passes already fill the cores, and a Verify yielding cores to one
     # stream's pre-draft would slow everyone's).
     overlap: bool | None = False
-
-
-@dataclass
-class StepEvent:
-    """One loop iteration, as streamed to clients."""
-
-    index: int
-    k: int  # draft length asked for
-    draft: list[int]  # [n] proposed draft tokens
-    draft_confidences: list[float]  # [n] draft probability of each
-    target_probs: list[float]  # [n] target probability of each draft token
-    accepted: int  # leading draft tokens accepted
-    next_token: int  # the target's own token: correction or bonus (or the plain step's token)
-    next_kind: Literal["bonus", "correction", "plain"]
-    next_token_prob: float
-    tokens: list[int]  # tokens appended this step (after EOS / max_tokens / context trimming)
-    text: str  # text delta this step
-    draft_ms: float
-    verify_ms: float
-    draft_compute_ms: float
-    verify_compute_ms: float
-    overhead_ms: float  # step wall time not spent in either RPC (orchestrator bookkeeping)
-    draft_stop_reason: str = ""
-    draft_error: str = ""  # set when the draft failed and this step ran without one
-    batch_sessions: int = 1  # sessions in the target's batched forward pass that verified this step
-    batch_rows: int = 0  # token rows in that pass, across its sessions
-    draft_batch_sessions: float = 0.0  # mean sessions per batched draft step (0: no draft)
-    predrafted: bool = False  # the draft came from a pre-draft made during the previous Verify (overlapped)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -297,6 +267,20 @@ class _Step:
     kind: Literal["bonus", "correction", "plain"] = "plain"
     done: bool = False
     text: str = ""
+
+    def observation(self, warm: bool, draft_catch_up: int) -> StepObservation:
+        """What the controller learns from this step (the only place one is made): ``warm`` is
+        False for the first step (its cost is the prompt's prefill); ``draft_catch_up``: tokens the
+        draft processed besides its proposals."""
+        v, proposal = self.verified, self.proposal
+        return StepObservation(
+            k=self.k, proposed=len(self.tokens), accepted=v.num_accepted, draft_ms=self.draft_ms, verify_ms=v.wall_ms,
+            draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=warm, draft_catch_up=draft_catch_up,
+            verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
+            draft_sessions=proposal.batch_sessions if proposal else 1.0,
+            verify_cpu_ms=v.step_cpu_ms, draft_step_cpu_ms=proposal.step_cpu_ms if proposal else 0.0,
+            predrafted=self.predrafted,
+        )
 
 
 class SpeculativeRequest:
@@ -533,31 +517,23 @@ class SpeculativeRequest:
         step.draft_wait_ms += (time.perf_counter() - t_wait) * 1e3  # the draft was slower than the target
         self.predraft = None
 
-    def record(self, step: _Step) -> StepEvent:
+    def record(self, step: _Step) -> Step:
         """5. Adapt k and account: the controller, the request's stats and the metrics each see the
-        step once; the event is what clients get."""
-        v, proposal, tokens, stats = step.verified, step.proposal, step.tokens, self.stats
+        step once; the :class:`Step` is what every client gets."""
+        v, proposal, stats = step.verified, step.proposal, self.stats
         step_ms = (time.perf_counter() - step.t_start) * 1e3
-        self.controller.observe(StepObservation(
-            k=step.k, proposed=len(tokens), accepted=v.num_accepted, draft_ms=step.draft_ms, verify_ms=v.wall_ms,
-            draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=stats.iterations > 0,
-            draft_catch_up=(len(self.seq) - len(step.new) - proposal.cached_tokens
-                            if proposal and not step.predrafted else 0),
-            verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
-            draft_sessions=proposal.batch_sessions if proposal else 1.0,
-            verify_cpu_ms=v.step_cpu_ms, draft_step_cpu_ms=proposal.step_cpu_ms if proposal else 0.0,
-            predrafted=step.predrafted,
-        ))
+        catch_up = len(self.seq) - len(step.new) - proposal.cached_tokens if proposal and not step.predrafted else 0
+        self.controller.observe(step.observation(warm=stats.iterations > 0, draft_catch_up=catch_up))
         # The step's time split as the stream lived it: draft time is what it waited for drafts.
         overhead_ms = max(step_ms - step.draft_wait_ms - v.wall_ms, 0.0)
         draft_compute_ms = proposal.compute_ms if proposal else 0.0
-        stats.record_step(len(step.new), len(tokens), v.num_accepted, step.draft_wait_ms, v.wall_ms,
+        stats.record_step(len(step.new), len(step.tokens), v.num_accepted, step.draft_wait_ms, v.wall_ms,
                           draft_compute_ms, v.compute_ms, overhead_ms)
         if stats.iterations == 1:
             stats.first_token_ms = (time.perf_counter() - self.t_start) * 1e3
-        _count_step(self.params.mode, len(step.new), len(tokens), v.num_accepted)
-        return StepEvent(
-            index=stats.iterations - 1, k=step.k, draft=tokens,
+        _count_step(self.params.mode, len(step.new), len(step.tokens), v.num_accepted)
+        return Step(
+            index=stats.iterations - 1, k=step.k, draft=step.tokens,
             draft_confidences=proposal.confidences if proposal else [],
             target_probs=v.target_probs, accepted=v.num_accepted, next_token=v.next_token, next_kind=step.kind,
             next_token_prob=v.next_token_prob, tokens=step.new, text=step.text, draft_ms=step.draft_wait_ms,
@@ -607,8 +583,8 @@ async def generate(
     decode: Callable[[list[int]], str],
     is_disconnected: Callable[[], Any] | None = None,
     in_progress: Callable[[], int] = lambda: 1,
-) -> AsyncIterator[StepEvent | GenerationResult]:
-    """Run the loop; yield a StepEvent per iteration, then a GenerationResult.
+) -> AsyncIterator[Step | GenerationResult]:
+    """Run the loop; yield a :class:`Step` per iteration, then a GenerationResult.
 
     ``in_progress``: generations the server is running now, this one included (overlap ``None``:
     overlapped while it is 1 and the draft does not share the target's host).

@@ -18,13 +18,12 @@ from orchestrator.loop import (
     BadRequest,
     GenerationParams,
     GenerationResult,
-    StepEvent,
     TargetBusy,
     TargetUnavailable,
     generate,
 )
 from orchestrator.runtime import Runtime
-from orchestrator.schemas import ChatMessage, GenerateRequest, SpeculationParams
+from orchestrator.schemas import ChatMessage, GenerateRequest, SpeculationParams, Step
 from specdec.params import Sampling
 
 
@@ -158,8 +157,13 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
     return Run(rt, params, name, k, max_k, len(prompt_ids), key)
 
 
-async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-    """("step", StepEvent dict) per iteration, then ("done", result); errors as HTTPException."""
+# What a generation sends its route: ("step", Step) per iteration, then ("done", result_dict), or in
+# a stream ("error", {"status", "detail"}) after a failure past the first step.
+Event = tuple[str, Step | dict[str, Any]]
+
+
+async def events(run: Run, request: Request | None) -> AsyncIterator[Event]:
+    """("step", Step) per iteration, then ("done", result); errors as HTTPException."""
     rt = run.rt
     controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs)
     token_ids: list[int] = []
@@ -173,9 +177,9 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, 
         async for item in generate(run.params, rt.draft, rt.target, controller, rt.limits, rt.draft_health,
                                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stop,
                                    in_progress=lambda: rt.active):
-            if isinstance(item, StepEvent):
+            if isinstance(item, Step):
                 token_ids.extend(item.tokens)
-                yield "step", item.to_dict()
+                yield "step", item
             else:
                 if item.finish_reason == "cancelled" and rt.drain_expired():
                     raise HTTPException(503, detail=f"the server shut down before the answer was complete "
@@ -197,8 +201,9 @@ def result_dict(result: GenerationResult, token_ids: list[int], run: Run) -> dic
             "stats": result.stats.to_dict()}
 
 
-async def collect(run: Run, request: Request | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    steps, result = [], {}
+async def collect(run: Run, request: Request | None) -> tuple[list[Step], dict[str, Any]]:
+    steps: list[Step] = []
+    result: dict[str, Any] = {}
     async for kind, payload in events(run, request):
         if kind == "step":
             steps.append(payload)
@@ -207,7 +212,7 @@ async def collect(run: Run, request: Request | None) -> tuple[list[dict[str, Any
     return steps, result
 
 
-async def start_stream(run: Run, request: Request) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+async def start_stream(run: Run, request: Request) -> AsyncIterator[Event]:
     """Run the first step before the response starts, so a target that is down still gets a
     proper 503 instead of an event stream; later failures become an `error` event."""
     gen = events(run, request)
@@ -216,7 +221,7 @@ async def start_stream(run: Run, request: Request) -> AsyncIterator[tuple[str, d
     except StopAsyncIteration:  # pragma: no cover - a generation always yields at least "done"
         first = None
 
-    async def rest() -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    async def rest() -> AsyncIterator[Event]:
         try:
             if first is not None:
                 yield first

@@ -451,14 +451,15 @@ class _OutOfVocabDraft:
 async def test_a_draft_the_target_refuses_costs_a_retry_not_the_request(engine):
     """A target INVALID_ARGUMENT caused by the draft's tokens used to become the user's 400."""
     from orchestrator.controller import make_controller
-    from orchestrator.loop import BadRequest, DraftHealth, GenerationParams, ModelLimits, StepEvent, generate
+    from orchestrator.loop import BadRequest, DraftHealth, GenerationParams, ModelLimits, generate
+    from orchestrator.schemas import Step
 
     target, draft = _EngineTarget(engine), _OutOfVocabDraft()
     limits = ModelLimits(engine.lm.max_context, 8, 1000, 8, set())
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=6, ignore_eos=True)
     events = [e async for e in generate(params, draft, target, make_controller("fixed", 2, 2, None), limits,
                                         DraftHealth(1.0), lambda ids: "")]
-    steps = [e for e in events if isinstance(e, StepEvent)]
+    steps = [e for e in events if isinstance(e, Step)]
     stats = events[-1].stats
     assert [t for s in steps for t in s.tokens] == greedy_reference(engine.lm.model, PROMPT, 6)
     assert draft.calls == 1 and stats.draft_fallbacks == 1 and "refused" in steps[0].draft_error
@@ -524,7 +525,8 @@ async def test_a_busy_target_is_waited_for_then_reported_as_429(engine):
     """RESOURCE_EXHAUSTED (a full queue) mid-stream is retried briefly; only a target that stays
     full fails the request, as busy (HTTP 429), not as down."""
     from orchestrator.controller import make_controller
-    from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, StepEvent, TargetBusy, generate
+    from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, TargetBusy, generate
+    from orchestrator.schemas import Step
 
     class Busy(_EngineTarget):
         def __init__(self, engine, refusals: int) -> None:
@@ -543,7 +545,7 @@ async def test_a_busy_target_is_waited_for_then_reported_as_429(engine):
     target = Busy(engine, refusals=3)
     events = [e async for e in generate(params, _OutOfVocabDraft(), target, make_controller("fixed", 0, 1, None),
                                         limits, DraftHealth(1.0), lambda ids: "")]
-    assert [t for e in events if isinstance(e, StepEvent) for t in e.tokens] == greedy_reference(engine.lm.model, PROMPT, 3)
+    assert [t for e in events if isinstance(e, Step) for t in e.tokens] == greedy_reference(engine.lm.model, PROMPT, 3)
     with pytest.raises(TargetBusy, match="busy"):
         async for _ in generate(params, _OutOfVocabDraft(), Busy(engine, refusals=100),
                                 make_controller("fixed", 0, 1, None), limits, DraftHealth(1.0), lambda ids: ""):

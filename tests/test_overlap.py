@@ -14,7 +14,8 @@ import pytest
 
 from orchestrator.clients import Proposed
 from orchestrator.controller import CostController, CostModel, StepObservation, make_controller
-from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, StepEvent, generate
+from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, generate
+from orchestrator.schemas import Step
 from specdec.models import load_hf
 from specdec.params import Sampling
 from specdec.sessions import SessionStore
@@ -94,7 +95,7 @@ async def run(engine, draft, params, controller, shared_host=True, target=None, 
     target = target or SlowTarget(engine)
     events = [e async for e in generate(params, draft, target, controller, limits, DraftHealth(1.0), lambda ids: "",
                                         in_progress=lambda: in_progress)]
-    steps = [e for e in events if isinstance(e, StepEvent)]
+    steps = [e for e in events if isinstance(e, Step)]
     return steps, events[-1].stats
 
 
