@@ -29,8 +29,9 @@ from typing import Any, Literal
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from orchestrator.clients import DraftClient, Proposed, TargetClient, Verified
-from orchestrator.controller import Controller, StepObservation
+from orchestrator.clients import Proposed, Verified
+from orchestrator.controller import Controller, Load, StepObservation, Topology
+from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.schemas import Step
 from specdec.params import Sampling
 
@@ -75,11 +76,6 @@ class TargetBusy(TargetUnavailable):
 
 class BadRequest(Exception):
     """The target rejected the request's input (INVALID_ARGUMENT): HTTP 400 with this reason."""
-
-
-# Release calls still running after their request ended; the event loop keeps only weak
-# references to tasks, so an unreferenced one could be collected before it runs.
-_BACKGROUND: set[asyncio.Task] = set()
 
 
 @dataclass
@@ -192,6 +188,7 @@ class ModelLimits:
     draft_max_draft: int
     eos_token_ids: set[int]
     draft_shares_host: bool = False  # draft and target compute on the same host (their Info's host_id)
+    topology: Topology = field(default_factory=Topology)  # where each party computes (the cost controller's input)
 
 
 class Detokenizer:
@@ -288,11 +285,12 @@ class SpeculativeRequest:
     method per stage of a step (choose k, get a draft, verify, accept, settle the pre-draft,
     record). :func:`generate` drives it."""
 
-    def __init__(self, params: GenerationParams, draft: DraftClient, target: TargetClient, controller: Controller,
+    def __init__(self, params: GenerationParams, draft: DraftPool, target: TargetPool, controller: Controller,
                  limits: ModelLimits, draft_health: DraftHealth, decode: Callable[[list[int]], str],
-                 in_progress: Callable[[], int]) -> None:
+                 in_progress: Callable[[], int], background: set[asyncio.Task]) -> None:
         self.params, self.draft, self.target, self.controller = params, draft, target, controller
         self.limits, self.draft_health, self.in_progress = limits, draft_health, in_progress
+        self.background = background  # keeps the Release task of close() referenced until it has run
         self.session_id = uuid.uuid4().hex
         self.seq = list(params.prompt_ids)
         self.start = len(self.seq)
@@ -354,11 +352,14 @@ class SpeculativeRequest:
         return self.can_overlap and (self.params.overlap is True
                                      or (self.in_progress() <= 1 and not self.limits.draft_shares_host))
 
-    def choose_k(self, step: _Step, remaining: int) -> None:
-        """1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left."""
+    def choose_k(self, step: _Step, remaining: int, overlap: bool) -> None:
+        """1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left. The
+        controller prices k for the load it is given: the streams in progress, whether this step
+        runs overlapped, where each party computes."""
         limits = self.limits
         if self.draft_ok and self.draft_health.usable() and len(self.seq) < limits.draft_max_context - 1:
-            step.k = min(self.controller.next_k(), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
+            load = Load(streams=self.in_progress(), overlap=overlap, topology=limits.topology)
+            step.k = min(self.controller.next_k(load), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
         if self.catching_up is not None:
             self._collect_catch_up(step)
         elif (step.k > 0 and self.ready is None and len(self.seq) - self.draft_seen > CATCH_UP_IN_BACKGROUND
@@ -415,7 +416,7 @@ class SpeculativeRequest:
             p = self.params
             try:
                 # Alone, the target idles while the draft drafts: the draft may take every core.
-                busy = self.in_progress() > 1 or TargetClient.in_flight > 0
+                busy = self.in_progress() > 1 or self.target.in_flight > 0
                 step.proposal = await self.call(self.draft.propose(
                     self.session_id, self.seq, step.k, p.confidence_threshold, p.sampling,
                     yield_cores=self.limits.draft_shares_host and busy))
@@ -450,7 +451,7 @@ class SpeculativeRequest:
                     self.target.verify, self.session_id, self.seq, step.tokens, p.sampling,
                     step.proposal.distributions if step.proposal else (),
                     yield_cores=self.limits.draft_shares_host and (self.predraft is not None
-                                                                   or DraftClient.in_flight > 0)))
+                                                                   or self.draft.in_flight > 0)))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not step.tokens:
                     raise
@@ -558,8 +559,8 @@ class SpeculativeRequest:
             self.catching_up.cancel()  # the session is released next: its cache is of no more use
         clients = [self.target] + ([self.draft] if self.used_draft else [])
         task = asyncio.get_running_loop().create_task(_release(clients, self.session_id, set(self.inflight)))
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
 
 def _count_step(mode: str, generated: int, proposed: int, accepted: int) -> None:
@@ -575,23 +576,28 @@ def _count_step(mode: str, generated: int, proposed: int, accepted: int) -> None
 
 async def generate(
     params: GenerationParams,
-    draft: DraftClient,
-    target: TargetClient,
+    draft: DraftPool,
+    target: TargetPool,
     controller: Controller,
     limits: ModelLimits,
     draft_health: DraftHealth,
     decode: Callable[[list[int]], str],
     is_disconnected: Callable[[], Any] | None = None,
     in_progress: Callable[[], int] = lambda: 1,
+    *,
+    background: set[asyncio.Task],
 ) -> AsyncIterator[Step | GenerationResult]:
     """Run the loop; yield a :class:`Step` per iteration, then a GenerationResult.
 
     ``in_progress``: generations the server is running now, this one included (overlap ``None``:
-    overlapped while it is 1 and the draft does not share the target's host).
+    overlapped while it is 1 and the draft does not share the target's host). ``background``: where
+    the Release calls still running after the request ended are kept (``Runtime.background``): the
+    event loop keeps only weak references to tasks, so an unreferenced one could be collected
+    before it runs.
 
     Raises TargetUnavailable or BadRequest when the target fails.
     """
-    req = SpeculativeRequest(params, draft, target, controller, limits, draft_health, decode, in_progress)
+    req = SpeculativeRequest(params, draft, target, controller, limits, draft_health, decode, in_progress, background)
     ACTIVE.inc()
     try:
         while True:
@@ -604,8 +610,7 @@ async def generate(
                 req.finish = "length"
                 break
             overlap = req.overlap_now()
-            controller.overlap = overlap  # the cost controller prices k for the schedule it gets
-            req.choose_k(step, remaining)
+            req.choose_k(step, remaining, overlap)
             K_CHOSEN.observe(max(step.k, 0))
             await req.fetch_draft(step)
             if overlap:

@@ -335,6 +335,9 @@ class _Pool:
         self.replicas: Replicas[Any] = Replicas(self.service, spec, make_client, security, resolve_every_s,
                                                 probe_every_s)
         self.fingerprint: tuple[str, int] | None = None  # tokenizer and vocabulary all replicas must share
+        # Calls of this pool in flight (Verify or Propose): while one runs on the other service's
+        # host, a call to that one asks it to leave this one its cores (``yield_cores``).
+        self.in_flight = 0
 
     def start(self) -> None:
         """Resolve and probe in the background (call inside the event loop)."""
@@ -384,16 +387,23 @@ class _Pool:
     async def close(self) -> None:
         await self.replicas.close(lambda c: c.close())
 
+    async def _call(self, session_id: str, fn: Callable[[Any], Awaitable[Any]]) -> Any:
+        self.in_flight += 1
+        try:
+            return await self.replicas.call(session_id, fn)
+        finally:
+            self.in_flight -= 1
+
 
 class TargetPool(_Pool):
     service = "target"
 
     async def verify(self, session_id: str, *args: Any, **kwargs: Any) -> Any:
-        return await self.replicas.call(session_id, lambda c: c.verify(session_id, *args, **kwargs))
+        return await self._call(session_id, lambda c: c.verify(session_id, *args, **kwargs))
 
 
 class DraftPool(_Pool):
     service = "draft"
 
     async def propose(self, session_id: str, *args: Any, **kwargs: Any) -> Any:
-        return await self.replicas.call(session_id, lambda c: c.propose(session_id, *args, **kwargs))
+        return await self._call(session_id, lambda c: c.propose(session_id, *args, **kwargs))

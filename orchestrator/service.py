@@ -45,7 +45,6 @@ class Run:
             return
         self.released = True
         self.rt.active -= 1
-        self.rt.costs.streams = max(self.rt.active, 1)
         if self.key is not None:
             left = self.rt.active_per_key.get(self.key, 1) - 1
             if left > 0:
@@ -151,7 +150,6 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
     # above only reads, so a rejected request holds no slot.
     check_admission(rt, key)
     rt.active += 1
-    rt.costs.streams = rt.active
     if key is not None:
         rt.active_per_key[key] = rt.active_per_key.get(key, 0) + 1
     return Run(rt, params, name, k, max_k, len(prompt_ids), key)
@@ -176,7 +174,7 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[Event]:
     try:
         async for item in generate(run.params, rt.draft, rt.target, controller, rt.limits, rt.draft_health,
                                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stop,
-                                   in_progress=lambda: rt.active):
+                                   in_progress=lambda: rt.active, background=rt.background):
             if isinstance(item, Step):
                 token_ids.extend(item.tokens)
                 yield "step", item
