@@ -19,12 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from orchestrator.auth import add_api_key_auth, grpc_security, may_see_details
-from orchestrator.clients import DraftClient, TargetClient
-from orchestrator.controller import CostModel
-from orchestrator.loop import DraftHealth
+from orchestrator.auth import add_api_key_auth, may_see_details
 from orchestrator.openai_api import router as openai_router
-from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.runtime import READY_RECHECK_S, Runtime, connect, keep_connected
 from orchestrator.schemas import GenerateRequest, GenerateResponse
 from orchestrator.server_stats import router as server_router
@@ -124,26 +120,11 @@ def runtime(request: Request) -> Runtime:
     return rt
 
 
-def build_runtime(settings: OrchestratorSettings) -> Runtime:
-    """The services' pools, the draft's health and the cost model, not yet connected."""
-    def pool(kind: type, address: str, client: type, timeout_s: float, service: str) -> Any:
-        return kind(address, lambda addr, security: client(addr, timeout_s, security), grpc_security(settings, service),
-                    settings.replica_resolve_interval_s, settings.replica_probe_interval_s)
-
-    return Runtime(
-        settings=settings,
-        draft=pool(DraftPool, settings.draft_address, DraftClient, settings.draft_timeout_s, "draft"),
-        target=pool(TargetPool, settings.target_address, TargetClient, settings.target_timeout_s, "target"),
-        draft_health=DraftHealth(settings.draft_retry_s),
-        costs=CostModel(shared_host_max_streams=settings.shared_host_max_streams),
-    )
-
-
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Connect to both services at start (a service down is retried in the background), close at the end."""
     settings: OrchestratorSettings = app.state.settings
-    rt = app.state.rt = build_runtime(settings)  # its channels belong to the server's event loop
+    rt = app.state.rt = Runtime.from_settings(settings)  # its channels belong to the server's event loop
     await connect(rt)
     rt.draft.start()
     rt.target.start()

@@ -53,6 +53,18 @@ class Runtime:
     # Release calls still running after their request ended (see orchestrator.loop.generate)
     background: set[asyncio.Task] = field(default_factory=set)
 
+    @classmethod
+    def from_settings(cls, settings: OrchestratorSettings) -> Runtime:
+        """The services' pools, the draft's health and the cost model, not yet connected (its
+        channels belong to the event loop that first uses them: build it inside the server's)."""
+        return cls(
+            settings=settings,
+            draft=DraftPool.from_settings(settings),
+            target=TargetPool.from_settings(settings),
+            draft_health=DraftHealth(settings.draft_retry_s),
+            costs=CostModel(shared_host_max_streams=settings.shared_host_max_streams),
+        )
+
     def drain(self) -> None:
         """Stop admitting; generations in progress get ``drain_timeout_s`` to finish (SIGTERM)."""
         if self.draining_since is None:

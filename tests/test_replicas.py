@@ -407,3 +407,21 @@ def test_calls_in_flight_are_counted_per_pool():
         assert one.in_flight == 0
 
     asyncio.run(main())
+
+
+async def test_a_runtime_builds_its_pools_from_the_settings():
+    from orchestrator.runtime import Runtime
+    from orchestrator.settings import OrchestratorSettings
+
+    settings = OrchestratorSettings(draft_address="d1:1,d2:1", target_address="t:2", draft_timeout_s=3.0,
+                                    target_timeout_s=9.0, draft_retry_s=4.0, shared_host_max_streams=5)
+    rt = Runtime.from_settings(settings)
+    try:
+        assert (rt.draft.address, rt.target.address) == ("d1:1,d2:1", "t:2")
+        assert {r.client.timeout_s for r in rt.draft.replicas.replicas.values()} == {3.0}
+        assert [r.client.timeout_s for r in rt.target.replicas.replicas.values()] == [9.0]
+        assert rt.draft_health.retry_s == 4.0 and rt.costs.shared_host_max_streams == 5
+        assert (rt.draft.in_flight, rt.target.in_flight, rt.background) == (0, 0, set())
+    finally:
+        await rt.draft.close()
+        await rt.target.close()
