@@ -27,7 +27,7 @@ def main() -> None:
     security = server_security(settings)  # before the slow model load: a bad secret path fails at once
     t0 = time.perf_counter()
     # this (main) thread loads the model and runs every forward pass
-    compute = ComputeThread(settings.max_queued_calls, "draft", settings.batch_gather_ms)
+    compute = ComputeThread.from_settings(settings, service="draft")
     try:
         proposer = create_proposer(settings)  # with llamacpp, may convert the model first (once, cached)
     except SpecdecError as exc:  # a missing model, a conversion that cannot be done: say so, no traceback

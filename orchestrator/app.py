@@ -19,14 +19,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from orchestrator.auth import add_api_key_auth, grpc_security, may_see_details
-from orchestrator.clients import DraftClient, TargetClient
-from orchestrator.controller import CostModel
-from orchestrator.loop import DraftHealth
+from orchestrator.auth import add_api_key_auth, may_see_details
 from orchestrator.openai_api import router as openai_router
-from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.runtime import READY_RECHECK_S, Runtime, connect, keep_connected
-from orchestrator.schemas import GenerateRequest, GenerateResponse, Step
+from orchestrator.schemas import GenerateRequest, GenerateResponse
 from orchestrator.server_stats import router as server_router
 from orchestrator.service import (
     Run,
@@ -124,26 +120,11 @@ def runtime(request: Request) -> Runtime:
     return rt
 
 
-def build_runtime(settings: OrchestratorSettings) -> Runtime:
-    """The services' pools, the draft's health and the cost model, not yet connected."""
-    def pool(kind: type, address: str, client: type, timeout_s: float, service: str) -> Any:
-        return kind(address, lambda addr, security: client(addr, timeout_s, security), grpc_security(settings, service),
-                    settings.replica_resolve_interval_s, settings.replica_probe_interval_s)
-
-    return Runtime(
-        settings=settings,
-        draft=pool(DraftPool, settings.draft_address, DraftClient, settings.draft_timeout_s, "draft"),
-        target=pool(TargetPool, settings.target_address, TargetClient, settings.target_timeout_s, "target"),
-        draft_health=DraftHealth(settings.draft_retry_s),
-        costs=CostModel(shared_host_max_streams=settings.shared_host_max_streams),
-    )
-
-
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Connect to both services at start (a service down is retried in the background), close at the end."""
     settings: OrchestratorSettings = app.state.settings
-    rt = app.state.rt = build_runtime(settings)  # its channels belong to the server's event loop
+    rt = app.state.rt = Runtime.from_settings(settings)  # its channels belong to the server's event loop
     await connect(rt)
     rt.draft.start()
     rt.target.start()
@@ -247,7 +228,7 @@ async def generate_route(body: GenerateRequest, request: Request, rt: Runtime = 
     return GenerateResponse(
         text=result["text"], token_ids=result["token_ids"], prompt_tokens=run.prompt_tokens,
         finish_reason=result["finish_reason"], mode=body.mode, controller=run.controller_name,
-        steps=[to_step(s) for s in steps] if body.include_steps else [], stats=result["stats"],
+        steps=steps if body.include_steps else [], stats=result["stats"],
     )
 
 
@@ -263,15 +244,10 @@ async def generate_stream(body: GenerateRequest, request: Request,
     async def sse() -> AsyncIterator[dict[str, str]]:
         async for kind, payload in events:
             if kind == "step":
-                payload = {**payload, "token_texts": [tokenizer.decode([t]) for t in payload["draft"]],
-                           "next_token_text": tokenizer.decode([payload["next_token"]])}
-            yield {"event": kind, "data": json.dumps(payload)}
+                texts = {"token_texts": [tokenizer.decode([t]) for t in payload.draft],
+                         "next_token_text": tokenizer.decode([payload.next_token])}
+                yield {"event": kind, "data": payload.model_copy(update=texts).model_dump_json()}
+            else:
+                yield {"event": kind, "data": json.dumps(payload)}
 
     return BoundedEventSource(sse(), rt.settings.stream_send_timeout_s)
-
-
-def to_step(s: dict[str, Any]) -> Step:
-    correction = s["next_token"] if s["next_kind"] == "correction" else None
-    bonus = s["next_token"] if s["next_kind"] != "correction" else None
-    return Step(draft=s["draft"], accepted=s["accepted"], correction=correction, bonus=bonus, k=s["k"],
-                draft_ms=round(s["draft_ms"], 3), verify_ms=round(s["verify_ms"], 3), predrafted=s["predrafted"])

@@ -108,10 +108,6 @@ class _Client:
 class DraftClient(_Client):
     service = "draft"
 
-    # Propose calls this process has in flight, to any draft: while one runs on the target's host,
-    # a Verify asks the target to leave it a core (VerifyRequest.yield_cores).
-    in_flight = 0
-
     def __init__(self, address: str, timeout_s: float, security: ChannelSecurity | None = None) -> None:
         super().__init__(address, timeout_s, security)
         self.stub = pb_grpc.DraftServiceStub(self.channel)
@@ -123,11 +119,7 @@ class DraftClient(_Client):
             sampling=sampling_to_pb(sampling), return_distributions=not sampling.greedy, yield_cores=yield_cores,
         )
         t0 = time.perf_counter()
-        DraftClient.in_flight += 1
-        try:
-            r = await self.stub.Propose(request, timeout=self.timeout_s)
-        finally:
-            DraftClient.in_flight -= 1
+        r = await self.stub.Propose(request, timeout=self.timeout_s)
         wall = time.perf_counter() - t0
         RPC_CLIENT_LATENCY.labels(self.service, "Propose").observe(wall)
         return Proposed(
@@ -147,10 +139,6 @@ class DraftClient(_Client):
 class TargetClient(_Client):
     service = "target"
 
-    # Verify calls this process has in flight, to any target: while one runs on the draft's host,
-    # a Propose asks the draft to leave the target its cores (ProposeRequest.yield_cores).
-    in_flight = 0
-
     def __init__(self, address: str, timeout_s: float, security: ChannelSecurity | None = None) -> None:
         super().__init__(address, timeout_s, security)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
@@ -164,11 +152,7 @@ class TargetClient(_Client):
             return_target_probs=return_target_probs, yield_cores=yield_cores,
         )
         t0 = time.perf_counter()
-        TargetClient.in_flight += 1
-        try:
-            r = await self.stub.Verify(request, timeout=self.timeout_s)
-        finally:
-            TargetClient.in_flight -= 1
+        r = await self.stub.Verify(request, timeout=self.timeout_s)
         wall = time.perf_counter() - t0
         RPC_CLIENT_LATENCY.labels(self.service, "Verify").observe(wall)
         return Verified(

@@ -42,9 +42,35 @@ class StepObservation:
     predrafted: bool = False  # overlapped mode: the draft was made during the previous Verify
 
 
+Site = tuple[str, float]  # where a service computes and its capacity: see compute_site
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where each party computes (from the services' Info; None: unknown, no CPU term)."""
+
+    target: Site | None = None
+    draft: Site | None = None
+    own: Site | None = None  # this process
+
+    def draft_shares_target(self) -> bool:
+        return self.target is not None and self.draft is not None and self.target[0] == self.draft[0]
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the next step is decided under, as the loop sees it: an input of :meth:`Controller.next_k`."""
+
+    streams: int = 1  # generations in progress through this process, this one included
+    overlap: bool = False  # the step runs overlapped (see CostController)
+    topology: Topology = Topology()
+
+
+ALONE = Load()  # one stream, alternating, hosts unknown
+
+
 class Controller(abc.ABC):
     name: str = ""
-    overlap: bool = False  # set by the loop before each step: the step runs overlapped (see CostController)
     probing: bool = False  # the last next_k() asked for a draft only to re-measure acceptance, not because it pays
 
     def __init__(self, k: int, max_k: int) -> None:
@@ -55,8 +81,8 @@ class Controller(abc.ABC):
         return int(min(max(round(k), 0), self.max_k))
 
     @abc.abstractmethod
-    def next_k(self) -> int:
-        """Draft length for the next step, in [0, max_k]."""
+    def next_k(self, load: Load = ALONE) -> int:
+        """Draft length for the next step, in [0, max_k], under ``load``."""
 
     @abc.abstractmethod
     def observe(self, step: StepObservation) -> None:
@@ -66,7 +92,7 @@ class Controller(abc.ABC):
 class FixedController(Controller):
     name = "fixed"
 
-    def next_k(self) -> int:
+    def next_k(self, load: Load = ALONE) -> int:
         return self.k
 
     def observe(self, step: StepObservation) -> None:
@@ -81,7 +107,7 @@ class HFController(Controller):
     def __init__(self, k: int, max_k: int) -> None:
         super().__init__(max(k, 1), max_k)
 
-    def next_k(self) -> int:
+    def next_k(self, load: Load = ALONE) -> int:
         return self.k
 
     def observe(self, step: StepObservation) -> None:
@@ -103,7 +129,7 @@ class AcceptanceController(Controller):
         self.decay = decay
         self.rate = 0.8  # prior per-token acceptance
 
-    def next_k(self) -> int:
+    def next_k(self, load: Load = ALONE) -> int:
         return self.k
 
     def observe(self, step: StepObservation) -> None:
@@ -304,10 +330,11 @@ class CostModel:
     the cores are saturated aggregate throughput is set by CPU time per token, not by anyone's
     latency. So the model also fits what a step costs the machine — the process CPU time both
     services report per pass (``step_cpu_ms``: all threads) against rows and sessions, and this
-    process's own CPU per step — and knows from Info which services share a host and how many cores
-    it has. :meth:`round_ms` is then the larger of a stream's wall time per step and the time the
-    busiest host needs to run one step of *every* stream in progress: the second term is what makes
-    k fall to 0 at high concurrency, where plain decoding wins on CPU per token.
+    process's own CPU per step — and is told with each decision (a :class:`Load`: the streams in
+    progress and the :class:`Topology` read from Info) which services share a host and how many
+    cores it has. :meth:`round_ms` is then the larger of a stream's wall time per step and the time
+    the busiest host needs to run one step of *every* stream in progress: the second term is what
+    makes k fall to 0 at high concurrency, where plain decoding wins on CPU per token.
     """
 
     MAX_CATCH_UP = 3  # tokens a draft processes besides its own in steady state: 1-2
@@ -334,23 +361,29 @@ class CostModel:
         self.own_cpu_ms = 0.0
         self._own_mark: tuple[float, float, int] | None = None  # (monotonic, process CPU s, steps)
         self._steps = 0
-        self.streams = 1  # generations in progress through this process (set by the server)
-        # Which host each party runs on, and its cores (set from Info; None: unknown, no CPU term)
-        self.hosts: dict[str, tuple[str, float] | None] = {"target": None, "draft": None, "self": None}
 
-    def set_hosts(self, target: tuple[str, float] | None, draft: tuple[str, float] | None,
-                  own: tuple[str, float] | None) -> None:
-        """(site, capacity) of the target service, the draft service and this process: see
-        :func:`compute_site` (for a CPU, the host id and its cores)."""
-        self.hosts = {"target": target, "draft": draft, "self": own}
-
-    def speculation_allowed(self) -> bool:
+    def speculation_allowed(self, load: Load = ALONE) -> bool:
         """False while the draft shares the target's host and more than ``shared_host_max_streams``
         generations are in progress: there the draft's compute is the target's, and batched plain
         decoding (nearly free extra rows) beats speculation (see docs/batching.md for the measurement)."""
-        target, draft = self.hosts.get("target"), self.hosts.get("draft")
-        shared = target is not None and draft is not None and target[0] == draft[0]
-        return not (shared and self.shared_host_max_streams and self.streams > self.shared_host_max_streams)
+        limit = self.shared_host_max_streams
+        return not (load.topology.draft_shares_target() and limit and load.streams > limit)
+
+    def observe(self, step: StepObservation, decay: float, position_decay: float) -> None:
+        """Learn from one step of any request: what its Verify and Propose cost (warm steps only:
+        a first step's cost is its prompt's prefill) and, when it drafted, how the draft fared
+        (``history``, with these decays: see :meth:`DraftHistory.record`)."""
+        # Costs are wall times as the client sees them: tokens per second is what is maximised.
+        if step.warm:
+            self.observe_verify(step.proposed, step.verify_ms, step.verify_rows, step.verify_sessions,
+                                step.verify_cpu_ms)
+            # A pre-draft's wall time ran next to the previous Verify and drafted one token more
+            # (the bonus guess): it says nothing clean about what a Propose costs on its own.
+            if step.proposed and not step.predrafted:
+                self.observe_draft(step.proposed, step.draft_ms, step.draft_catch_up, step.draft_sessions,
+                                   step.draft_step_cpu_ms)
+        if step.proposed:
+            self.history.record(step, decay, position_decay)
 
     def observe_verify(self, k: int, ms: float, rows: int = 0, sessions: int = 1, cpu_ms: float = 0.0) -> None:
         """A Verify of k draft tokens took ``ms``; its forward had ``rows`` rows across ``sessions``
@@ -409,15 +442,14 @@ class CostModel:
         step = self.draft_step.predict(self.draft_sessions, 0.2)
         return None if step is None else self.draft_call.intercept() + k * step
 
-    def cpu_round_ms(self, k: float) -> float:
+    def cpu_round_ms(self, k: float, load: Load = ALONE) -> float:
         """Time the busiest host needs to run one step of every stream in progress, all at k, from
         CPU time per step and its cores (0 when nothing is known)."""
-        n = max(float(self.streams), self.verify_sessions)
+        n = max(float(load.streams), self.verify_sessions)
         demand: dict[str, float] = {}
         cores: dict[str, float] = {}
 
-        def add(party: str, ms: float | None) -> None:
-            host = self.hosts.get(party)
+        def add(host: Site | None, ms: float | None) -> None:
             if host is None or ms is None:
                 return
             demand[host[0]] = demand.get(host[0], 0.0) + ms
@@ -425,21 +457,22 @@ class CostModel:
 
         s = max(self.verify_sessions, 1.0)
         pass_cpu = self.verify_cpu.predict(s * (k + 1), 0.1)
-        add("target", None if pass_cpu is None else n * pass_cpu / s)
+        sites = load.topology
+        add(sites.target, None if pass_cpu is None else n * pass_cpu / s)
         if k:
             sd = max(self.draft_sessions, 1.0)
             step_cpu = self.draft_cpu.predict(sd, 0.2)
-            add("draft", None if step_cpu is None else n * k * step_cpu / sd)
-        add("self", n * self.own_cpu_ms)
+            add(sites.draft, None if step_cpu is None else n * k * step_cpu / sd)
+        add(sites.own, n * self.own_cpu_ms)
         return max((ms / cores[h] for h, ms in demand.items()), default=0.0)
 
-    def round_ms(self, k: float) -> float | None:
+    def round_ms(self, k: float, load: Load = ALONE) -> float | None:
         """Expected milliseconds per step of one stream drafting k tokens: its own wall time, or what
         the machine needs for everyone's step when that is longer (None until both costs are known)."""
         verify, draft = self.verify_ms(k), self.draft_ms(k)
         if verify is None or draft is None:
             return None
-        return max(verify + draft, self.cpu_round_ms(k))
+        return max(verify + draft, self.cpu_round_ms(k, load))
 
 
 class CostController(Controller):
@@ -470,9 +503,10 @@ class CostController(Controller):
     so each request counts its own, starting from the pair's recent record across requests
     (``CostModel.history``) scaled down to a prior of at most HISTORY_PRIOR steps.
 
-    Overlapped (``overlap`` set by the loop for the step, see orchestrator.loop): the draft of block i + 1 (k + 1 tokens,
-    the first a guess of the bonus token) runs while block i is verified. With probability
-    c = alpha^(k+1) the target takes the whole block and the guess, and the step costs
+    Overlapped (``Load.overlap``, given by the loop for the step, see orchestrator.loop): the draft
+    of block i + 1 (k + 1 tokens, the first a guess of the bonus token) runs while block i is
+    verified. With probability c = alpha^(k+1) the target takes the whole block and the guess, and
+    the step costs
     max(verify(k), draft(k + 1)); otherwise the pre-draft is dropped and the step costs its verify
     plus a draft of k from the true sequence before the next one. So a step is expected to cost
     c * max(V, D(k+1)) + (1 - c) * (V + D(k)): overlap pays most where the draft is slow or far
@@ -557,8 +591,8 @@ class CostController(Controller):
             out.append(out[-1] * a)
         return out
 
-    def next_k(self) -> int:
-        if not self.costs.speculation_allowed():
+    def next_k(self, load: Load = ALONE) -> int:
+        if not self.costs.speculation_allowed(load):
             self.k, self.probing = 0, False
             return 0
         if self.costs.verify_ms(0) is None or self.costs.draft_ms(1) is None:
@@ -570,7 +604,7 @@ class CostController(Controller):
             # token k lands if the draft got that far and it and every one before it were accepted
             tokens += reach[k] * survival[k]
             drafted += reach[k] if k else 0.0
-            rates[k] = tokens / self.round_ms(drafted, survival[k + 1])
+            rates[k] = tokens / self.round_ms(drafted, survival[k + 1], load)
         self.last_choice = rates
         best = max(rates, key=rates.get)
         self.probing = False
@@ -583,31 +617,22 @@ class CostController(Controller):
         self.k = best
         return best
 
-    def round_ms(self, k: float, whole_block: float | None = None) -> float:
+    def round_ms(self, k: float, whole_block: float | None = None, load: Load = ALONE) -> float:
         """Expected milliseconds per step drafting k tokens (an expected, possibly fractional
-        count), alternating or overlapped (see the class docstring); ``whole_block``: the chance
-        that the k draft tokens and the bonus guess are all accepted (default: from the acceptance
-        estimates)."""
-        if not self.overlap or k == 0:
-            return self.costs.round_ms(k)
+        count), alternating or overlapped (``load.overlap``, see the class docstring);
+        ``whole_block``: the chance that the k draft tokens and the bonus guess are all accepted
+        (default: from the acceptance estimates)."""
+        if not load.overlap or k == 0:
+            return self.costs.round_ms(k, load)
         verify, draft, predraft = self.costs.verify_ms(k), self.costs.draft_ms(k), self.costs.draft_ms(k + 1)
         c = self.survival(math.ceil(k) + 1)[-1] if whole_block is None else whole_block
         wall = c * max(verify, predraft) + (1 - c) * (verify + draft)
-        return max(wall, self.costs.cpu_round_ms(k))
+        return max(wall, self.costs.cpu_round_ms(k, load))
 
     def observe(self, step: StepObservation) -> None:
-        # Costs are wall times as the client sees them: tokens per second is what we maximise.
-        if step.warm:
-            self.costs.observe_verify(step.proposed, step.verify_ms, step.verify_rows, step.verify_sessions,
-                                      step.verify_cpu_ms)
-            # A pre-draft's wall time ran next to the previous Verify and drafted one token more
-            # (the bonus guess): it says nothing clean about what a Propose costs on its own.
-            if step.proposed and not step.predrafted:
-                self.costs.observe_draft(step.proposed, step.draft_ms, step.draft_catch_up, step.draft_sessions,
-                                         step.draft_step_cpu_ms)
+        self.costs.observe(step, self.decay, self.POSITION_DECAY)
         if step.proposed:
             self.own.record(step, self.decay, self.POSITION_DECAY)
-            self.costs.history.record(step, self.decay, self.POSITION_DECAY)
 
 
 def make_controller(name: str, k: int, max_k: int, costs: CostModel | None = None) -> Controller:

@@ -1,4 +1,4 @@
-"""The speculative loop: draft -> verify -> accept -> adapt k, one step event at a time.
+"""The speculative loop: draft -> verify -> accept -> adapt k, one :class:`Step` at a time.
 
 Greedy output equals plain greedy decoding of the target token for token: the target decides
 every token (accepted draft tokens are exactly its argmax), the draft only decides how many land
@@ -23,14 +23,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from orchestrator.clients import DraftClient, Proposed, TargetClient, Verified
-from orchestrator.controller import Controller, StepObservation
+from orchestrator.clients import Proposed, Verified
+from orchestrator.controller import Controller, Load, StepObservation, Topology
+from orchestrator.replicas import DraftPool, TargetPool
+from orchestrator.schemas import Step
 from specdec.params import Sampling
 
 logger = logging.getLogger(__name__)
@@ -76,11 +78,6 @@ class BadRequest(Exception):
     """The target rejected the request's input (INVALID_ARGUMENT): HTTP 400 with this reason."""
 
 
-# Release calls still running after their request ended; the event loop keeps only weak
-# references to tasks, so an unreferenced one could be collected before it runs.
-_BACKGROUND: set[asyncio.Task] = set()
-
-
 @dataclass
 class GenerationParams:
     prompt_ids: list[int]
@@ -95,37 +92,6 @@ class GenerationParams:
     # concurrency the batched passes already fill the cores, and a Verify yielding cores to one
     # stream's pre-draft would slow everyone's).
     overlap: bool | None = False
-
-
-@dataclass
-class StepEvent:
-    """One loop iteration, as streamed to clients."""
-
-    index: int
-    k: int  # draft length asked for
-    draft: list[int]  # [n] proposed draft tokens
-    draft_confidences: list[float]  # [n] draft probability of each
-    target_probs: list[float]  # [n] target probability of each draft token
-    accepted: int  # leading draft tokens accepted
-    next_token: int  # the target's own token: correction or bonus (or the plain step's token)
-    next_kind: Literal["bonus", "correction", "plain"]
-    next_token_prob: float
-    tokens: list[int]  # tokens appended this step (after EOS / max_tokens / context trimming)
-    text: str  # text delta this step
-    draft_ms: float
-    verify_ms: float
-    draft_compute_ms: float
-    verify_compute_ms: float
-    overhead_ms: float  # step wall time not spent in either RPC (orchestrator bookkeeping)
-    draft_stop_reason: str = ""
-    draft_error: str = ""  # set when the draft failed and this step ran without one
-    batch_sessions: int = 1  # sessions in the target's batched forward pass that verified this step
-    batch_rows: int = 0  # token rows in that pass, across its sessions
-    draft_batch_sessions: float = 0.0  # mean sessions per batched draft step (0: no draft)
-    predrafted: bool = False  # the draft came from a pre-draft made during the previous Verify (overlapped)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -222,6 +188,7 @@ class ModelLimits:
     draft_max_draft: int
     eos_token_ids: set[int]
     draft_shares_host: bool = False  # draft and target compute on the same host (their Info's host_id)
+    topology: Topology = field(default_factory=Topology)  # where each party computes (the cost controller's input)
 
 
 class Detokenizer:
@@ -298,17 +265,32 @@ class _Step:
     done: bool = False
     text: str = ""
 
+    def observation(self, warm: bool, draft_catch_up: int) -> StepObservation:
+        """What the controller learns from this step (the only place one is made): ``warm`` is
+        False for the first step (its cost is the prompt's prefill); ``draft_catch_up``: tokens the
+        draft processed besides its proposals."""
+        v, proposal = self.verified, self.proposal
+        return StepObservation(
+            k=self.k, proposed=len(self.tokens), accepted=v.num_accepted, draft_ms=self.draft_ms, verify_ms=v.wall_ms,
+            draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=warm, draft_catch_up=draft_catch_up,
+            verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
+            draft_sessions=proposal.batch_sessions if proposal else 1.0,
+            verify_cpu_ms=v.step_cpu_ms, draft_step_cpu_ms=proposal.step_cpu_ms if proposal else 0.0,
+            predrafted=self.predrafted,
+        )
+
 
 class SpeculativeRequest:
     """One generation: the sequence, the draft's view of it, pre-draft and catch-up state, and a
     method per stage of a step (choose k, get a draft, verify, accept, settle the pre-draft,
     record). :func:`generate` drives it."""
 
-    def __init__(self, params: GenerationParams, draft: DraftClient, target: TargetClient, controller: Controller,
+    def __init__(self, params: GenerationParams, draft: DraftPool, target: TargetPool, controller: Controller,
                  limits: ModelLimits, draft_health: DraftHealth, decode: Callable[[list[int]], str],
-                 in_progress: Callable[[], int]) -> None:
+                 in_progress: Callable[[], int], background: set[asyncio.Task]) -> None:
         self.params, self.draft, self.target, self.controller = params, draft, target, controller
         self.limits, self.draft_health, self.in_progress = limits, draft_health, in_progress
+        self.background = background  # keeps the Release task of close() referenced until it has run
         self.session_id = uuid.uuid4().hex
         self.seq = list(params.prompt_ids)
         self.start = len(self.seq)
@@ -370,11 +352,14 @@ class SpeculativeRequest:
         return self.can_overlap and (self.params.overlap is True
                                      or (self.in_progress() <= 1 and not self.limits.draft_shares_host))
 
-    def choose_k(self, step: _Step, remaining: int) -> None:
-        """1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left."""
+    def choose_k(self, step: _Step, remaining: int, overlap: bool) -> None:
+        """1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left. The
+        controller prices k for the load it is given: the streams in progress, whether this step
+        runs overlapped, where each party computes."""
         limits = self.limits
         if self.draft_ok and self.draft_health.usable() and len(self.seq) < limits.draft_max_context - 1:
-            step.k = min(self.controller.next_k(), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
+            load = Load(streams=self.in_progress(), overlap=overlap, topology=limits.topology)
+            step.k = min(self.controller.next_k(load), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
         if self.catching_up is not None:
             self._collect_catch_up(step)
         elif (step.k > 0 and self.ready is None and len(self.seq) - self.draft_seen > CATCH_UP_IN_BACKGROUND
@@ -431,7 +416,7 @@ class SpeculativeRequest:
             p = self.params
             try:
                 # Alone, the target idles while the draft drafts: the draft may take every core.
-                busy = self.in_progress() > 1 or TargetClient.in_flight > 0
+                busy = self.in_progress() > 1 or self.target.in_flight > 0
                 step.proposal = await self.call(self.draft.propose(
                     self.session_id, self.seq, step.k, p.confidence_threshold, p.sampling,
                     yield_cores=self.limits.draft_shares_host and busy))
@@ -466,7 +451,7 @@ class SpeculativeRequest:
                     self.target.verify, self.session_id, self.seq, step.tokens, p.sampling,
                     step.proposal.distributions if step.proposal else (),
                     yield_cores=self.limits.draft_shares_host and (self.predraft is not None
-                                                                   or DraftClient.in_flight > 0)))
+                                                                   or self.draft.in_flight > 0)))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not step.tokens:
                     raise
@@ -533,31 +518,23 @@ class SpeculativeRequest:
         step.draft_wait_ms += (time.perf_counter() - t_wait) * 1e3  # the draft was slower than the target
         self.predraft = None
 
-    def record(self, step: _Step) -> StepEvent:
+    def record(self, step: _Step) -> Step:
         """5. Adapt k and account: the controller, the request's stats and the metrics each see the
-        step once; the event is what clients get."""
-        v, proposal, tokens, stats = step.verified, step.proposal, step.tokens, self.stats
+        step once; the :class:`Step` is what every client gets."""
+        v, proposal, stats = step.verified, step.proposal, self.stats
         step_ms = (time.perf_counter() - step.t_start) * 1e3
-        self.controller.observe(StepObservation(
-            k=step.k, proposed=len(tokens), accepted=v.num_accepted, draft_ms=step.draft_ms, verify_ms=v.wall_ms,
-            draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=stats.iterations > 0,
-            draft_catch_up=(len(self.seq) - len(step.new) - proposal.cached_tokens
-                            if proposal and not step.predrafted else 0),
-            verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
-            draft_sessions=proposal.batch_sessions if proposal else 1.0,
-            verify_cpu_ms=v.step_cpu_ms, draft_step_cpu_ms=proposal.step_cpu_ms if proposal else 0.0,
-            predrafted=step.predrafted,
-        ))
+        catch_up = len(self.seq) - len(step.new) - proposal.cached_tokens if proposal and not step.predrafted else 0
+        self.controller.observe(step.observation(warm=stats.iterations > 0, draft_catch_up=catch_up))
         # The step's time split as the stream lived it: draft time is what it waited for drafts.
         overhead_ms = max(step_ms - step.draft_wait_ms - v.wall_ms, 0.0)
         draft_compute_ms = proposal.compute_ms if proposal else 0.0
-        stats.record_step(len(step.new), len(tokens), v.num_accepted, step.draft_wait_ms, v.wall_ms,
+        stats.record_step(len(step.new), len(step.tokens), v.num_accepted, step.draft_wait_ms, v.wall_ms,
                           draft_compute_ms, v.compute_ms, overhead_ms)
         if stats.iterations == 1:
             stats.first_token_ms = (time.perf_counter() - self.t_start) * 1e3
-        _count_step(self.params.mode, len(step.new), len(tokens), v.num_accepted)
-        return StepEvent(
-            index=stats.iterations - 1, k=step.k, draft=tokens,
+        _count_step(self.params.mode, len(step.new), len(step.tokens), v.num_accepted)
+        return Step(
+            index=stats.iterations - 1, k=step.k, draft=step.tokens,
             draft_confidences=proposal.confidences if proposal else [],
             target_probs=v.target_probs, accepted=v.num_accepted, next_token=v.next_token, next_kind=step.kind,
             next_token_prob=v.next_token_prob, tokens=step.new, text=step.text, draft_ms=step.draft_wait_ms,
@@ -582,8 +559,8 @@ class SpeculativeRequest:
             self.catching_up.cancel()  # the session is released next: its cache is of no more use
         clients = [self.target] + ([self.draft] if self.used_draft else [])
         task = asyncio.get_running_loop().create_task(_release(clients, self.session_id, set(self.inflight)))
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
 
 def _count_step(mode: str, generated: int, proposed: int, accepted: int) -> None:
@@ -599,23 +576,28 @@ def _count_step(mode: str, generated: int, proposed: int, accepted: int) -> None
 
 async def generate(
     params: GenerationParams,
-    draft: DraftClient,
-    target: TargetClient,
+    draft: DraftPool,
+    target: TargetPool,
     controller: Controller,
     limits: ModelLimits,
     draft_health: DraftHealth,
     decode: Callable[[list[int]], str],
     is_disconnected: Callable[[], Any] | None = None,
     in_progress: Callable[[], int] = lambda: 1,
-) -> AsyncIterator[StepEvent | GenerationResult]:
-    """Run the loop; yield a StepEvent per iteration, then a GenerationResult.
+    *,
+    background: set[asyncio.Task],
+) -> AsyncIterator[Step | GenerationResult]:
+    """Run the loop; yield a :class:`Step` per iteration, then a GenerationResult.
 
     ``in_progress``: generations the server is running now, this one included (overlap ``None``:
-    overlapped while it is 1 and the draft does not share the target's host).
+    overlapped while it is 1 and the draft does not share the target's host). ``background``: where
+    the Release calls still running after the request ended are kept (``Runtime.background``): the
+    event loop keeps only weak references to tasks, so an unreferenced one could be collected
+    before it runs.
 
     Raises TargetUnavailable or BadRequest when the target fails.
     """
-    req = SpeculativeRequest(params, draft, target, controller, limits, draft_health, decode, in_progress)
+    req = SpeculativeRequest(params, draft, target, controller, limits, draft_health, decode, in_progress, background)
     ACTIVE.inc()
     try:
         while True:
@@ -628,8 +610,7 @@ async def generate(
                 req.finish = "length"
                 break
             overlap = req.overlap_now()
-            controller.overlap = overlap  # the cost controller prices k for the schedule it gets
-            req.choose_k(step, remaining)
+            req.choose_k(step, remaining, overlap)
             K_CHOSEN.observe(max(step.k, 0))
             await req.fetch_draft(step)
             if overlap:

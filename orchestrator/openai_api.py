@@ -101,8 +101,8 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool):
         if chat:
             yield {"data": chunk(None, None, first=True)}
         async for event, payload in events:
-            if event == "step" and payload["text"]:
-                yield {"data": chunk(payload["text"], None)}
+            if event == "step" and payload.text:
+                yield {"data": chunk(payload.text, None)}
             elif event == "done":
                 yield {"data": chunk(None, _finish(payload["finish_reason"]),
                                      extra={"usage": _usage(payload), "specdec": payload["stats"]})}

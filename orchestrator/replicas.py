@@ -32,6 +32,9 @@ from typing import Any, Generic, TypeVar
 import grpc
 from prometheus_client import Counter, Gauge
 
+from orchestrator.auth import grpc_security
+from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.settings import OrchestratorSettings
 from specdec.auth import ChannelSecurity
 
 logger = logging.getLogger(__name__)
@@ -328,6 +331,13 @@ class _Pool:
 
     service = ""
 
+    @classmethod
+    def _from_settings(cls, settings: OrchestratorSettings, address: str, client: type, timeout_s: float) -> Any:
+        """The pool of ``address``: ``client`` instances with the call deadline ``timeout_s``, the
+        orchestrator's channel security for this service, and its resolve and probe intervals."""
+        return cls(address, lambda addr, security: client(addr, timeout_s, security), grpc_security(settings, cls.service),
+                   settings.replica_resolve_interval_s, settings.replica_probe_interval_s)
+
     def __init__(self, spec: str, make_client: Callable[[str, ChannelSecurity | None], Any],
                  security: ChannelSecurity | None = None, resolve_every_s: float = 10.0,
                  probe_every_s: float = 2.0) -> None:
@@ -335,6 +345,9 @@ class _Pool:
         self.replicas: Replicas[Any] = Replicas(self.service, spec, make_client, security, resolve_every_s,
                                                 probe_every_s)
         self.fingerprint: tuple[str, int] | None = None  # tokenizer and vocabulary all replicas must share
+        # Calls of this pool in flight (Verify or Propose): while one runs on the other service's
+        # host, a call to that one asks it to leave this one its cores (``yield_cores``).
+        self.in_flight = 0
 
     def start(self) -> None:
         """Resolve and probe in the background (call inside the event loop)."""
@@ -384,16 +397,31 @@ class _Pool:
     async def close(self) -> None:
         await self.replicas.close(lambda c: c.close())
 
+    async def _call(self, session_id: str, fn: Callable[[Any], Awaitable[Any]]) -> Any:
+        self.in_flight += 1
+        try:
+            return await self.replicas.call(session_id, fn)
+        finally:
+            self.in_flight -= 1
+
 
 class TargetPool(_Pool):
     service = "target"
 
+    @classmethod
+    def from_settings(cls, settings: OrchestratorSettings) -> TargetPool:
+        return cls._from_settings(settings, settings.target_address, TargetClient, settings.target_timeout_s)
+
     async def verify(self, session_id: str, *args: Any, **kwargs: Any) -> Any:
-        return await self.replicas.call(session_id, lambda c: c.verify(session_id, *args, **kwargs))
+        return await self._call(session_id, lambda c: c.verify(session_id, *args, **kwargs))
 
 
 class DraftPool(_Pool):
     service = "draft"
 
+    @classmethod
+    def from_settings(cls, settings: OrchestratorSettings) -> DraftPool:
+        return cls._from_settings(settings, settings.draft_address, DraftClient, settings.draft_timeout_s)
+
     async def propose(self, session_id: str, *args: Any, **kwargs: Any) -> Any:
-        return await self.replicas.call(session_id, lambda c: c.propose(session_id, *args, **kwargs))
+        return await self._call(session_id, lambda c: c.propose(session_id, *args, **kwargs))

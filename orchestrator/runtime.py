@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from orchestrator.controller import CostModel, compute_site
+from orchestrator.controller import CostModel, Topology, compute_site
 from orchestrator.loop import DraftHealth, ModelLimits
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.settings import OrchestratorSettings
@@ -50,6 +50,20 @@ class Runtime:
     draining_since: float | None = None  # monotonic time of the SIGTERM that started the drain
     tokenizer_fingerprint: str = ""  # of ``tokenizer``: compared with the target's on every check
     checked_at: float = -float("inf")  # monotonic time of the last connect()
+    # Release calls still running after their request ended (see orchestrator.loop.generate)
+    background: set[asyncio.Task] = field(default_factory=set)
+
+    @classmethod
+    def from_settings(cls, settings: OrchestratorSettings) -> Runtime:
+        """The services' pools, the draft's health and the cost model, not yet connected (its
+        channels belong to the event loop that first uses them: build it inside the server's)."""
+        return cls(
+            settings=settings,
+            draft=DraftPool.from_settings(settings),
+            target=TargetPool.from_settings(settings),
+            draft_health=DraftHealth(settings.draft_retry_s),
+            costs=CostModel(shared_host_max_streams=settings.shared_host_max_streams),
+        )
 
     def drain(self) -> None:
         """Stop admitting; generations in progress get ``drain_timeout_s`` to finish (SIGTERM)."""
@@ -125,14 +139,15 @@ async def connect(rt: Runtime) -> None:
     # one host do not take each other's compute)
     target_site = compute_site(target.host_id, target.device, target.cpu_cores)
     draft_site = compute_site(draft.host_id, draft.device, draft.cpu_cores) if draft is not None else None
-    rt.costs.set_hosts(target_site, draft_site, (runtime.host_id(), runtime.cpu_cores()))
+    topology = Topology(target_site, draft_site, (runtime.host_id(), runtime.cpu_cores()))
     rt.limits = ModelLimits(
         target_max_context=target.max_context,
         target_max_draft=target.max_draft_tokens,
         draft_max_context=draft.max_context if draft is not None else 0,
         draft_max_draft=draft.max_draft_tokens if draft is not None else 0,
         eos_token_ids=set(target.eos_token_ids),
-        draft_shares_host=target_site is not None and draft_site is not None and draft_site[0] == target_site[0],
+        draft_shares_host=topology.draft_shares_target(),
+        topology=topology,
     )
     rt.not_ready = ""
     if draft is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 from orchestrator.settings import ControllerName
 
@@ -106,14 +106,50 @@ class GenerateRequest(SpeculationParams, SamplingFields):
 
 
 class Step(BaseModel):
-    draft: list[int]
-    accepted: int
-    correction: int | None = Field(None, description="Target token replacing the first rejected draft token.")
-    bonus: int | None = Field(None, description="Target token after a fully accepted draft (or a plain step).")
-    k: int
+    """One step of the speculative loop (one target pass): what ``orchestrator.loop.generate``
+    yields, ``/v1/generate`` lists under ``steps`` and ``/v1/generate/stream`` sends as a ``step``
+    event, the same object all the way. Times are milliseconds of wall time as the orchestrator saw
+    them; lists marked [n] hold one entry per draft token."""
+
+    index: int = Field(description="0-based step number within the generation.")
+    k: int = Field(description="Draft length asked for (0: a plain step, no draft).")
+    draft: list[int] = Field(description="[n] Draft tokens proposed and verified (n <= k: the draft may stop early).")
+    draft_confidences: list[float] = Field(description="[n] The draft's probability of each of its tokens.")
+    target_probs: list[float] = Field(description="[n] The target's probability of each draft token.")
+    accepted: int = Field(description="Leading draft tokens the target accepted.")
+    next_token: int = Field(description="The target's own token: correction, bonus, or the plain step's token.")
+    next_kind: Literal["bonus", "correction", "plain"] = Field(
+        description="correction: replaces the first rejected draft token; bonus: follows a fully accepted draft; "
+                    "plain: a step without a draft.")
+    next_token_prob: float = Field(description="The target's probability of next_token.")
+    tokens: list[int] = Field(description="Tokens appended by this step (after EOS, max_tokens and context cuts).")
+    text: str = Field(description="Text delta of this step.")
     draft_ms: float = Field(description="Time this step waited for its draft (0 for a pre-drafted step).")
-    verify_ms: float
+    verify_ms: float = Field(description="Wall time of the Verify call.")
+    draft_compute_ms: float = Field(description="The draft service's compute for this step's draft.")
+    verify_compute_ms: float = Field(description="The target service's compute for this step.")
+    overhead_ms: float = Field(description="Step wall time in neither call (orchestrator bookkeeping).")
+    draft_stop_reason: str = Field(
+        "", description="Why the draft stopped (max_tokens, low_confidence, eos, context_limit, no_candidate; '' without one).")
+    draft_error: str = Field("", description="Why this step ran without a draft, when the draft failed ('' otherwise).")
+    batch_sessions: int = Field(1, description="Sessions in the target's batched pass that verified this step.")
+    batch_rows: int = Field(0, description="Token rows in that pass, across its sessions (0: not reported).")
+    draft_batch_sessions: float = Field(0.0, description="Mean sessions per batched draft step (0: no draft).")
     predrafted: bool = Field(False, description="The draft was made while the previous step was verified (overlap).")
+    token_texts: list[str] | None = Field(
+        None, description="[n] Text of each draft token on its own (the stream only; null in /v1/generate).")
+    next_token_text: str | None = Field(
+        None, description="Text of next_token on its own (the stream only; null in /v1/generate).")
+
+    @computed_field(description="next_token when it replaced the first rejected draft token, else null.")
+    @property
+    def correction(self) -> int | None:
+        return self.next_token if self.next_kind == "correction" else None
+
+    @computed_field(description="next_token after a fully accepted draft or in a plain step, else null.")
+    @property
+    def bonus(self) -> int | None:
+        return self.next_token if self.next_kind != "correction" else None
 
 
 class GenerationStatsOut(BaseModel):

@@ -18,13 +18,12 @@ from orchestrator.loop import (
     BadRequest,
     GenerationParams,
     GenerationResult,
-    StepEvent,
     TargetBusy,
     TargetUnavailable,
     generate,
 )
 from orchestrator.runtime import Runtime
-from orchestrator.schemas import ChatMessage, GenerateRequest, SpeculationParams
+from orchestrator.schemas import ChatMessage, GenerateRequest, SpeculationParams, Step
 from specdec.params import Sampling
 
 
@@ -46,7 +45,6 @@ class Run:
             return
         self.released = True
         self.rt.active -= 1
-        self.rt.costs.streams = max(self.rt.active, 1)
         if self.key is not None:
             left = self.rt.active_per_key.get(self.key, 1) - 1
             if left > 0:
@@ -152,14 +150,18 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
     # above only reads, so a rejected request holds no slot.
     check_admission(rt, key)
     rt.active += 1
-    rt.costs.streams = rt.active
     if key is not None:
         rt.active_per_key[key] = rt.active_per_key.get(key, 0) + 1
     return Run(rt, params, name, k, max_k, len(prompt_ids), key)
 
 
-async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-    """("step", StepEvent dict) per iteration, then ("done", result); errors as HTTPException."""
+# What a generation sends its route: ("step", Step) per iteration, then ("done", result_dict), or in
+# a stream ("error", {"status", "detail"}) after a failure past the first step.
+Event = tuple[str, Step | dict[str, Any]]
+
+
+async def events(run: Run, request: Request | None) -> AsyncIterator[Event]:
+    """("step", Step) per iteration, then ("done", result); errors as HTTPException."""
     rt = run.rt
     controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs)
     token_ids: list[int] = []
@@ -172,10 +174,10 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[tuple[str, 
     try:
         async for item in generate(run.params, rt.draft, rt.target, controller, rt.limits, rt.draft_health,
                                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stop,
-                                   in_progress=lambda: rt.active):
-            if isinstance(item, StepEvent):
+                                   in_progress=lambda: rt.active, background=rt.background):
+            if isinstance(item, Step):
                 token_ids.extend(item.tokens)
-                yield "step", item.to_dict()
+                yield "step", item
             else:
                 if item.finish_reason == "cancelled" and rt.drain_expired():
                     raise HTTPException(503, detail=f"the server shut down before the answer was complete "
@@ -197,8 +199,9 @@ def result_dict(result: GenerationResult, token_ids: list[int], run: Run) -> dic
             "stats": result.stats.to_dict()}
 
 
-async def collect(run: Run, request: Request | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    steps, result = [], {}
+async def collect(run: Run, request: Request | None) -> tuple[list[Step], dict[str, Any]]:
+    steps: list[Step] = []
+    result: dict[str, Any] = {}
     async for kind, payload in events(run, request):
         if kind == "step":
             steps.append(payload)
@@ -207,7 +210,7 @@ async def collect(run: Run, request: Request | None) -> tuple[list[dict[str, Any
     return steps, result
 
 
-async def start_stream(run: Run, request: Request) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+async def start_stream(run: Run, request: Request) -> AsyncIterator[Event]:
     """Run the first step before the response starts, so a target that is down still gets a
     proper 503 instead of an event stream; later failures become an `error` event."""
     gen = events(run, request)
@@ -216,7 +219,7 @@ async def start_stream(run: Run, request: Request) -> AsyncIterator[tuple[str, d
     except StopAsyncIteration:  # pragma: no cover - a generation always yields at least "done"
         first = None
 
-    async def rest() -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    async def rest() -> AsyncIterator[Event]:
         try:
             if first is not None:
                 yield first

@@ -39,11 +39,14 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Gauge, Histogram
 
 from specdec.errors import Cancelled, ResourceExhausted, Unavailable
+
+if TYPE_CHECKING:
+    from specdec.settings import ModelServiceSettings
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +162,12 @@ class ComputeThread:
 
     GATHER_FRACTION = 0.15  # a step waits for returning sessions at most this share of the previous step's time
     RETURN_DECAY = 0.7  # weight of the past in a session's running return time
+
+    @classmethod
+    def from_settings(cls, settings: ModelServiceSettings, *, service: str) -> ComputeThread:
+        """The compute thread of a model service (``max_queued_calls``, ``batch_gather_ms``), owned
+        by the calling thread."""
+        return cls(settings.max_queued_calls, service, settings.batch_gather_ms)
 
     def __init__(self, max_queued: int = 32, service: str = "", gather_ms: float = 30.0) -> None:
         self._owner = threading.get_ident()

@@ -15,9 +15,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.errors import Cancelled, ResourceExhausted
+
+if TYPE_CHECKING:
+    from specdec.settings import ModelServiceSettings
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,12 @@ class SessionStore:
     and :meth:`get_or_create` refuses to bring back a session released after that stamp.
     Thread-safe; the engine holds its own lock around model compute.
     """
+
+    @classmethod
+    def from_settings(cls, settings: ModelServiceSettings, *,
+                      on_evict: Callable[[Session], None] | None = None) -> SessionStore:
+        """The store a model service's settings ask for (``max_sessions``, ``kv_budget_mb``, ``session_ttl_s``)."""
+        return cls(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s, on_evict=on_evict)
 
     def __init__(
         self,

@@ -8,7 +8,6 @@ import time
 from specdec.runtime import configure_torch, start_metrics
 from specdec.scheduler import ComputeThread
 from specdec.server import configure_logging, serve_forever
-from specdec.sessions import SessionStore
 from target_service.settings import TargetSettings
 
 logger = logging.getLogger("target_service")
@@ -19,19 +18,14 @@ def main() -> None:
     configure_logging(settings.log_level)
     configure_torch(settings.threads)
     from specdec.auth import server_security
-    from specdec.models import load_hf
     from target_service.engine import TargetEngine
     from target_service.servicer import build_server
 
     security = server_security(settings)  # before the slow model load: a bad secret path fails at once
     t0 = time.perf_counter()
     # this (main) thread loads the model and runs every forward pass
-    compute = ComputeThread(settings.max_queued_calls, "target", settings.batch_gather_ms)
-    loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
-    store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
-    engine = TargetEngine(loaded, store, settings.max_draft_tokens, settings.max_batch_rows, settings.overlap_threads,
-                          settings.shared_prefill_rows, settings.pack_weights,
-                          use_runner=settings.runner == "auto")
+    compute = ComputeThread.from_settings(settings, service="target")
+    engine = TargetEngine.from_settings(settings)
     server, port, health = build_server(engine, settings.address, settings.workers, compute, **security)
     start_metrics(settings.metrics_port, settings.host)
     info = engine.info()

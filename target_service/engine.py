@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,9 +23,12 @@ from specdec.engine import (
     validate_tokens,
 )
 from specdec.errors import InvalidArgument
-from specdec.models import LoadedModel, tokenizer_fingerprint
+from specdec.models import LoadedModel, load_hf, tokenizer_fingerprint
 from specdec.scheduler import PENDING, CpuAccounted, StepResult, run_alone
 from specdec.sessions import SessionStore, common_prefix_len
+
+if TYPE_CHECKING:
+    from target_service.settings import TargetSettings
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ class TargetEngine:
 
     backend = "transformers"
 
-    def __init__(self, loaded: LoadedModel, store: SessionStore, max_draft_tokens: int = 32,
+    def __init__(self, loaded: LoadedModel, store: SessionStore, *, max_draft_tokens: int = 32,
                  max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, overlap_threads: int = 0,
                  shared_prefill_rows: int = DEFAULT_SHARED_PREFILL_ROWS, pack_weights: bool = True,
                  use_runner: bool = True) -> None:
@@ -104,6 +108,17 @@ class TargetEngine:
             max_draft_tokens=max_draft_tokens,
             eos_token_ids=eos_ids(config, loaded.tokenizer, getattr(loaded.model, "generation_config", None)),
         )
+
+    @classmethod
+    def from_settings(cls, settings: TargetSettings, *, loaded: LoadedModel | None = None) -> TargetEngine:
+        """The engine the target service's settings describe; ``loaded``: the model, when the caller
+        loaded it already (else ``settings.model`` is loaded here)."""
+        if loaded is None:
+            loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
+        return cls(loaded, SessionStore.from_settings(settings), max_draft_tokens=settings.max_draft_tokens,
+                   max_batch_rows=settings.max_batch_rows, overlap_threads=settings.overlap_threads,
+                   shared_prefill_rows=settings.shared_prefill_rows, pack_weights=settings.pack_weights,
+                   use_runner=settings.runner == "auto")
 
     def info(self) -> ModelInfo:
         self._info.max_context = self.lm.max_context

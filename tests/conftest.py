@@ -110,6 +110,24 @@ def greedy_reference(model, tokens: list[int], n: int) -> list[int]:
     return seq[len(tokens):]
 
 
+def step_json(draft: list[int], accepted: int, next_token: int, kind: str = "", **fields) -> dict:
+    """A `step` event's data as the orchestrator sends it: built through the API's own
+    ``orchestrator.schemas.Step`` and dumped to JSON, so a field renamed in the schema breaks the
+    tests of every reader (dashboard, benchmarks) that relies on the old name."""
+    import json
+
+    from orchestrator.schemas import Step
+
+    kind = kind or ("plain" if not draft else "bonus" if accepted == len(draft) else "correction")
+    defaults = {"index": 0, "k": len(draft), "draft_confidences": [0.9] * len(draft),
+                "target_probs": [0.8] * len(draft), "next_token_prob": 0.6,
+                "tokens": draft[:accepted] + [next_token], "text": "", "draft_ms": 1.0, "verify_ms": 2.0,
+                "draft_compute_ms": 0.5, "verify_compute_ms": 1.5, "overhead_ms": 0.1}
+    step = Step(**{**defaults, **fields, "draft": draft, "accepted": accepted, "next_token": next_token,
+                   "next_kind": kind})
+    return json.loads(step.model_dump_json())
+
+
 # ---- real processes on real ports --------------------------------------------------------------
 
 import contextlib  # noqa: E402

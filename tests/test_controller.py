@@ -14,7 +14,9 @@ from orchestrator.controller import (
     FixedController,
     HFController,
     LinearFit,
+    Load,
     StepObservation,
+    Topology,
     compute_site,
     make_controller,
 )
@@ -199,36 +201,35 @@ def _cpu_bound_costs(target_host, draft_host, streams=16):
         m.observe_verify(0, 25 + 0.5 * rows, rows=rows, sessions=16, cpu_ms=20 + 4.0 * rows)
     for sessions in (8, 16):
         m.observe_draft(2, 2 * 10.0, sessions=sessions, step_cpu_ms=30.0 * sessions / 16)
-    m.set_hosts(target_host, draft_host, own=None)
-    m.streams = streams
+    load = Load(streams=streams, topology=Topology(target_host, draft_host))
     c = CostController(4, 8, m)
     c.own.successes, c.own.failures = 90.0, 10.0  # alpha 0.9
-    return m, c
+    return m, c, load
 
 
 def test_saturated_shared_cores_make_plain_decoding_win():
     """On one 2-core host every draft token's CPU is taken from the target: with 16 streams the
     machine, not any one stream's latency, sets the pace, and plain decoding wins on CPU per token,
     although each stream's wall-time model alone favours drafting."""
-    m, c = _cpu_bound_costs(("host-a", 2.0), ("host-a", 2.0))
+    m, c, load = _cpu_bound_costs(("host-a", 2.0), ("host-a", 2.0))
     wall_only = max(range(9), key=lambda k: geometric_tokens(0.9, k) / (m.verify_ms(k) + m.draft_ms(k)))
     assert wall_only >= 3
-    assert m.cpu_round_ms(0) == pytest.approx((20 + 4.0 * 16) / 2)
-    assert c.next_k() == 0
+    assert m.cpu_round_ms(0, load) == pytest.approx((20 + 4.0 * 16) / 2)
+    assert c.next_k(load) == 0
 
 
 def test_separate_hosts_keep_drafting():
     """The same CPU costs with the draft on a host of its own: drafting takes nothing from the
     target, and a short draft still pays."""
-    m, c = _cpu_bound_costs(("host-a", 2.0), ("host-b", 2.0))
-    assert m.cpu_round_ms(2) == pytest.approx((20 + 4.0 * 48) / 2)
-    assert c.next_k() >= 1
+    m, c, load = _cpu_bound_costs(("host-a", 2.0), ("host-b", 2.0))
+    assert m.cpu_round_ms(2, load) == pytest.approx((20 + 4.0 * 48) / 2)
+    assert c.next_k(load) >= 1
 
 def test_one_stream_on_shared_cores_is_paced_by_its_wall_time():
-    m, c = _cpu_bound_costs(("host-a", 2.0), ("host-a", 2.0), streams=1)
+    m, c, load = _cpu_bound_costs(("host-a", 2.0), ("host-a", 2.0), streams=1)
     m.verify_sessions = m.draft_sessions = 1.0  # nobody else in the passes
-    assert all(m.cpu_round_ms(k) < m.verify_ms(k) + m.draft_ms(k) for k in range(9))
-    assert c.next_k() >= 4
+    assert all(m.cpu_round_ms(k, load) < m.verify_ms(k) + m.draft_ms(k) for k in range(9))
+    assert c.next_k(load) >= 4
 
 
 @pytest.mark.parametrize("hosts, limit, streams, drafts", [
@@ -243,13 +244,12 @@ def test_shared_host_stream_limit(hosts, limit, streams, drafts):
     progress than the limit, the cost controller decodes plainly (and does not probe); otherwise
     the cost model alone decides (here cheap, well-accepted drafts: it drafts)."""
     m = CostModel(shared_host_max_streams=limit)
-    m.set_hosts(*hosts, own=None)
-    m.streams = streams
+    load = Load(streams=streams, topology=Topology(*hosts))
     c = CostController(4, 8, m, probe_every=2)
     for _ in range(20):
-        k = c.next_k()
+        k = c.next_k(load)
         c.observe(step(k, k, k, draft_ms=2.0 * k + 0.5, verify_ms=40 + 1.0 * k))
-    picks = [c.next_k() for _ in range(6)]
+    picks = [c.next_k(load) for _ in range(6)]
     assert (max(picks) > 0) is drafts
     assert not c.probing
 
@@ -266,19 +266,19 @@ def test_a_gpu_target_beside_a_cpu_draft_keeps_drafting_under_load():
     """On one host, a target on its GPU and a llama.cpp draft on the host's cores: the draft's CPU
     is not the target's, so the shared-host stream limit does not stop speculation and the
     draft's CPU costs load only the host's cores."""
-    m, c = _cpu_bound_costs(compute_site("host-a", "cuda:0", 2.0), compute_site("host-a", "cpu", 2.0))
+    m, c, load = _cpu_bound_costs(compute_site("host-a", "cuda:0", 2.0), compute_site("host-a", "cpu", 2.0))
     m.shared_host_max_streams = 1
-    assert m.speculation_allowed()
-    assert m.cpu_round_ms(2) == pytest.approx(20 + 4.0 * 48)  # one device, one pass at a time
-    assert c.next_k() >= 1
-    m.set_hosts(compute_site("host-a", "cpu", 2.0), compute_site("host-a", "cpu", 2.0), own=None)
-    assert not m.speculation_allowed()
+    assert m.speculation_allowed(load)
+    assert m.cpu_round_ms(2, load) == pytest.approx(20 + 4.0 * 48)  # one device, one pass at a time
+    assert c.next_k(load) >= 1
+    cpu_only = Topology(compute_site("host-a", "cpu", 2.0), compute_site("host-a", "cpu", 2.0))
+    assert not m.speculation_allowed(Load(streams=load.streams, topology=cpu_only))
 
 
 def test_unknown_hosts_mean_no_cpu_term():
-    m, _ = _cpu_bound_costs(None, None)
-    assert m.cpu_round_ms(3) == 0.0
-    assert m.round_ms(3) == pytest.approx(m.verify_ms(3) + m.draft_ms(3))
+    m, _, load = _cpu_bound_costs(None, None)
+    assert m.cpu_round_ms(3, load) == 0.0
+    assert m.round_ms(3, load) == pytest.approx(m.verify_ms(3) + m.draft_ms(3))
 
 
 @pytest.mark.parametrize("rtt_ms", [0.0, 5.0, 20.0])

@@ -396,7 +396,7 @@ fi
     ("cuda:1", "cuda", False),
 ])
 async def test_the_orchestrator_reads_the_topology_from_device_and_host(target_device, draft_device, shared):
-    from orchestrator.controller import CostModel
+    from orchestrator.controller import CostModel, Load
     from orchestrator.loop import DraftHealth
     from orchestrator.runtime import Runtime, connect
     from orchestrator.settings import OrchestratorSettings
@@ -416,8 +416,8 @@ async def test_the_orchestrator_reads_the_topology_from_device_and_host(target_d
     await connect(rt)
     assert rt.not_ready == ""
     assert rt.limits.draft_shares_host is shared
-    rt.costs.streams = 4  # above shared_host_max_streams: only a shared host turns speculation off
-    assert rt.costs.speculation_allowed() is not shared
+    # above shared_host_max_streams: only a shared host turns speculation off
+    assert rt.costs.speculation_allowed(Load(streams=4, topology=rt.limits.topology)) is not shared
 
 
 # ---- on a GPU: the embedded target, speculative against plain ------------------------------------------

@@ -32,6 +32,7 @@ from evaluation.stats import (
     summarise,
     time_split,
 )
+from tests.conftest import step_json
 
 # ---- prompt suite --------------------------------------------------------------------------------
 
@@ -295,7 +296,7 @@ def test_rendered_report_has_both_tables_and_mismatches():
 # ---- acceptance by draft position ----------------------------------------------------------------------
 
 def _step(drafted, accepted):
-    return {"draft": list(range(drafted)), "accepted": accepted, "k": drafted, "draft_ms": 1.0, "verify_ms": 2.0}
+    return step_json(list(range(drafted)), accepted, 99)
 
 
 def test_position_counts_of_one_generation():

@@ -402,9 +402,10 @@ def test_admission_limits_answer_429_with_retry_after():
 
 
 class _EngineTarget:
-    """TargetClient over an in-process TargetEngine, with the service's status codes."""
+    """TargetPool over an in-process TargetEngine, with the service's status codes."""
 
     service = "target"
+    in_flight = 0  # Verifies of the pool in flight (other streams' too), as TargetPool counts them
 
     def __init__(self, engine: TargetEngine) -> None:
         self.engine, self.released = engine, []
@@ -433,6 +434,7 @@ class _OutOfVocabDraft:
     """A faulty draft whose proposals hold ids the target does not have."""
 
     service = "draft"
+    in_flight = 0
 
     def __init__(self) -> None:
         self.calls, self.released = 0, []
@@ -451,14 +453,16 @@ class _OutOfVocabDraft:
 async def test_a_draft_the_target_refuses_costs_a_retry_not_the_request(engine):
     """A target INVALID_ARGUMENT caused by the draft's tokens used to become the user's 400."""
     from orchestrator.controller import make_controller
-    from orchestrator.loop import BadRequest, DraftHealth, GenerationParams, ModelLimits, StepEvent, generate
+    from orchestrator.loop import BadRequest, DraftHealth, GenerationParams, ModelLimits, generate
+    from orchestrator.schemas import Step
 
     target, draft = _EngineTarget(engine), _OutOfVocabDraft()
     limits = ModelLimits(engine.lm.max_context, 8, 1000, 8, set())
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=6, ignore_eos=True)
+    background: set[asyncio.Task] = set()
     events = [e async for e in generate(params, draft, target, make_controller("fixed", 2, 2, None), limits,
-                                        DraftHealth(1.0), lambda ids: "")]
-    steps = [e for e in events if isinstance(e, StepEvent)]
+                                        DraftHealth(1.0), lambda ids: "", background=background)]
+    steps = [e for e in events if isinstance(e, Step)]
     stats = events[-1].stats
     assert [t for s in steps for t in s.tokens] == greedy_reference(engine.lm.model, PROMPT, 6)
     assert draft.calls == 1 and stats.draft_fallbacks == 1 and "refused" in steps[0].draft_error
@@ -466,14 +470,12 @@ async def test_a_draft_the_target_refuses_costs_a_retry_not_the_request(engine):
     bad = GenerationParams(prompt_ids=[10_000], max_tokens=2)
     with pytest.raises(BadRequest, match="outside the vocabulary"):
         async for _ in generate(bad, draft, target, make_controller("fixed", 2, 2, None), limits,
-                                DraftHealth(1.0), lambda ids: ""):
+                                DraftHealth(1.0), lambda ids: "", background=background):
             pass
-    # sessions are released by a task the loop keeps a reference to until it has run
-    from orchestrator import loop
-
-    assert loop._BACKGROUND
-    await asyncio.gather(*loop._BACKGROUND)
-    assert len(target.released) == 2 and not loop._BACKGROUND
+    # sessions are released by a task the caller's set keeps a reference to until it has run
+    assert background
+    await asyncio.gather(*background)
+    assert len(target.released) == 2 and not background
 
 
 async def test_a_draft_with_a_larger_vocabulary_is_refused():
@@ -524,7 +526,8 @@ async def test_a_busy_target_is_waited_for_then_reported_as_429(engine):
     """RESOURCE_EXHAUSTED (a full queue) mid-stream is retried briefly; only a target that stays
     full fails the request, as busy (HTTP 429), not as down."""
     from orchestrator.controller import make_controller
-    from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, StepEvent, TargetBusy, generate
+    from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, TargetBusy, generate
+    from orchestrator.schemas import Step
 
     class Busy(_EngineTarget):
         def __init__(self, engine, refusals: int) -> None:
@@ -542,11 +545,12 @@ async def test_a_busy_target_is_waited_for_then_reported_as_429(engine):
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=3, ignore_eos=True, mode="autoregressive")
     target = Busy(engine, refusals=3)
     events = [e async for e in generate(params, _OutOfVocabDraft(), target, make_controller("fixed", 0, 1, None),
-                                        limits, DraftHealth(1.0), lambda ids: "")]
-    assert [t for e in events if isinstance(e, StepEvent) for t in e.tokens] == greedy_reference(engine.lm.model, PROMPT, 3)
+                                        limits, DraftHealth(1.0), lambda ids: "", background=set())]
+    assert [t for e in events if isinstance(e, Step) for t in e.tokens] == greedy_reference(engine.lm.model, PROMPT, 3)
     with pytest.raises(TargetBusy, match="busy"):
         async for _ in generate(params, _OutOfVocabDraft(), Busy(engine, refusals=100),
-                                make_controller("fixed", 0, 1, None), limits, DraftHealth(1.0), lambda ids: ""):
+                                make_controller("fixed", 0, 1, None), limits, DraftHealth(1.0), lambda ids: "",
+                                background=set()):
             pass
 
 

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from orchestrator.schemas import Step
 from tests.conftest import start_model_service, start_orchestrator
 
 pytestmark = pytest.mark.embedded
@@ -128,6 +129,10 @@ def test_stream_reassembles_to_the_same_text(embedded_stack):
     assert len(done) == 1 and events[-1][0] == "done"
     assert "".join(s["text"] for s in steps) == done[0]["text"] == full["text"]
     assert [t for s in steps for t in s["tokens"]] == done[0]["token_ids"] == full["token_ids"]
+    # the stream's steps and the response's are the one Step (the stream fills in each token's text)
+    assert all(set(s) == set(Step.model_fields) | set(Step.model_computed_fields) for s in steps + full["steps"])
+    assert all(Step.model_validate(s).model_dump(mode="json") == s for s in steps + full["steps"])
+    assert all(s["token_texts"] is None for s in full["steps"])
     for s in steps:
         assert len(s["token_texts"]) == len(s["draft"]) and s["next_kind"] in {"bonus", "correction", "plain"}
         assert len(s["target_probs"]) == len(s["draft"]) == len(s["draft_confidences"])

@@ -13,8 +13,9 @@ import asyncio
 import pytest
 
 from orchestrator.clients import Proposed
-from orchestrator.controller import CostController, CostModel, StepObservation, make_controller
-from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, StepEvent, generate
+from orchestrator.controller import CostController, CostModel, Load, StepObservation, make_controller
+from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, generate
+from orchestrator.schemas import Step
 from specdec.models import load_hf
 from specdec.params import Sampling
 from specdec.sessions import SessionStore
@@ -40,6 +41,7 @@ class ScriptedDraft:
     (a different token there), after ``delay_s``; records every call and every cancellation."""
 
     service = "draft"
+    in_flight = 0  # Proposes of the pool in flight (other streams' too), as DraftPool counts them
 
     def __init__(self, reference: list[int], wrong: set[int], delay_s: float = 0.01) -> None:
         self.full = PROMPT + reference
@@ -92,9 +94,11 @@ class SlowTarget(_EngineTarget):
 async def run(engine, draft, params, controller, shared_host=True, target=None, in_progress=1):
     limits = ModelLimits(engine.lm.max_context, 8, 1000, 8, set(), draft_shares_host=shared_host)
     target = target or SlowTarget(engine)
+    background: set[asyncio.Task] = set()
     events = [e async for e in generate(params, draft, target, controller, limits, DraftHealth(1.0), lambda ids: "",
-                                        in_progress=lambda: in_progress)]
-    steps = [e for e in events if isinstance(e, StepEvent)]
+                                        in_progress=lambda: in_progress, background=background)]
+    await asyncio.gather(*background)  # the sessions' Releases
+    steps = [e for e in events if isinstance(e, Step)]
     return steps, events[-1].stats
 
 
@@ -233,10 +237,9 @@ def test_overlapped_cost_model_prefers_longer_drafts_when_the_draft_is_far():
     verify = {0: 30.0, 1: 33.0, 2: 36.0, 4: 42.0, 8: 54.0}
     costs = _costs(verify, draft_ms_per_token=12.0)
     alternating, overlapped = CostController(4, 8, costs), CostController(4, 8, costs)
-    overlapped.overlap = True
-    for c in (alternating, overlapped):
+    for c, load in ((alternating, Load()), (overlapped, Load(overlap=True))):
         _steps(c, 30)
-        c.next_k()
+        c.next_k(load)
     best_alt = max(alternating.last_choice.values())
     best_ovl = max(overlapped.last_choice.values())
     assert best_ovl > best_alt
@@ -244,10 +247,9 @@ def test_overlapped_cost_model_prefers_longer_drafts_when_the_draft_is_far():
     assert alternating.last_choice[0] == pytest.approx(overlapped.last_choice[0])
     # with every draft rejected, overlap buys nothing: the expected step is verify + draft
     stuck = CostController(4, 8, costs)
-    stuck.overlap = True
     for _ in range(30):
         stuck.observe(StepObservation(k=4, proposed=4, accepted=0, draft_ms=0, verify_ms=0, warm=False))
-    assert stuck.round_ms(4) == pytest.approx(costs.verify_ms(4) + costs.draft_ms(4), rel=0.02)
+    assert stuck.round_ms(4, load=Load(overlap=True)) == pytest.approx(costs.verify_ms(4) + costs.draft_ms(4), rel=0.02)
 
 
 # ---- the draft catches up in the background -------------------------------------------------------
@@ -294,17 +296,15 @@ def test_sampling_drafts_from_the_first_step(engine):
 
 
 @pytest.mark.parametrize("in_flight, shared_host, yields", [(1, True, True), (1, False, False), (0, True, False)])
-def test_a_verify_yields_cores_while_another_streams_propose_runs_on_its_host(engine, reference, monkeypatch,
+def test_a_verify_yields_cores_while_another_streams_propose_runs_on_its_host(engine, reference,
                                                                               in_flight, shared_host, yields):
     """Any Propose of this orchestrator in flight (another stream's, here) makes even a plain step's
     Verify leave the draft a core, but only when the draft shares the target's host."""
-    from orchestrator.clients import DraftClient
-
-    monkeypatch.setattr(DraftClient, "in_flight", in_flight)
+    draft = ScriptedDraft(reference, set())
+    draft.in_flight = in_flight
     target = SlowTarget(engine, 0.0)
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=6, ignore_eos=True, mode="autoregressive")
-    steps, _ = asyncio.run(run(engine, ScriptedDraft(reference, set()), params, make_controller("fixed", 0, 8),
-                               shared_host, target))
+    steps, _ = asyncio.run(run(engine, draft, params, make_controller("fixed", 0, 8), shared_host, target))
     assert [t for s in steps for t in s.tokens] == reference[:6]
     assert target.yield_cores == [yields] * 6
 
@@ -356,15 +356,14 @@ def test_a_propose_yields_cores_only_while_the_target_computes_on_its_host(engin
         assert draft.yield_cores == [in_progress > 1] * len(draft.calls)
 
 
-def test_a_propose_yields_cores_while_another_streams_verify_runs(engine, reference, monkeypatch):
+def test_a_propose_yields_cores_while_another_streams_verify_runs(engine, reference):
     """A Verify of this orchestrator in flight (another stream's, here) makes even an alternating
     Propose of a lone request leave the target its cores."""
-    from orchestrator.clients import TargetClient
-
-    monkeypatch.setattr(TargetClient, "in_flight", 1)
+    target = SlowTarget(engine)
+    target.in_flight = 1
     draft = ScriptedDraft(reference, set())
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=8, ignore_eos=True, overlap=False)
-    steps, _ = asyncio.run(run(engine, draft, params, make_controller("fixed", 3, 8)))
+    steps, _ = asyncio.run(run(engine, draft, params, make_controller("fixed", 3, 8), target=target))
     assert [t for s in steps for t in s.tokens] == reference[:8]
     assert draft.yield_cores and all(draft.yield_cores)
 

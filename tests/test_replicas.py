@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.replicas import Replicas, parse_addresses, rendezvous_rank, unavailable
+from orchestrator.replicas import Replicas, TargetPool, parse_addresses, rendezvous_rank, unavailable
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from tests.conftest import start_model_service, start_orchestrator
@@ -379,3 +379,49 @@ def test_target_replica_killed_mid_stream_keeps_the_stream(tmp_path, embedded_st
         orch.stop()
         t1.stop()
         t2.stop()
+
+
+def test_calls_in_flight_are_counted_per_pool():
+    """Each pool counts its own calls in flight (two runtimes in one process share nothing), and
+    a failed call is counted out too."""
+
+    class Gated(Client):
+        gate: asyncio.Event
+
+        async def verify(self, session_id: str, *args) -> str:
+            await self.gate.wait()
+            return await super().verify(session_id)
+
+    async def main():
+        Gated.gate = asyncio.Event()
+        failing: dict[str, grpc.StatusCode] = {}
+        one, other = (TargetPool("h1:1", lambda address, security: Gated(address, failing)) for _ in range(2))
+        call = asyncio.create_task(one.verify("s"))
+        await asyncio.sleep(0)
+        assert (one.in_flight, other.in_flight) == (1, 0)
+        Gated.gate.set()
+        assert await call == "h1:1" and one.in_flight == 0
+        failing["h1:1"] = grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError):
+            await one.verify("s")
+        assert one.in_flight == 0
+
+    asyncio.run(main())
+
+
+async def test_a_runtime_builds_its_pools_from_the_settings():
+    from orchestrator.runtime import Runtime
+    from orchestrator.settings import OrchestratorSettings
+
+    settings = OrchestratorSettings(draft_address="d1:1,d2:1", target_address="t:2", draft_timeout_s=3.0,
+                                    target_timeout_s=9.0, draft_retry_s=4.0, shared_host_max_streams=5)
+    rt = Runtime.from_settings(settings)
+    try:
+        assert (rt.draft.address, rt.target.address) == ("d1:1,d2:1", "t:2")
+        assert {r.client.timeout_s for r in rt.draft.replicas.replicas.values()} == {3.0}
+        assert [r.client.timeout_s for r in rt.target.replicas.replicas.values()] == [9.0]
+        assert rt.draft_health.retry_s == 4.0 and rt.costs.shared_host_max_streams == 5
+        assert (rt.draft.in_flight, rt.target.in_flight, rt.background) == (0, 0, set())
+    finally:
+        await rt.draft.close()
+        await rt.target.close()

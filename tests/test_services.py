@@ -289,3 +289,25 @@ def test_llamacpp_yields_cores_only_when_asked():
     alone = proposer.propose("b", prompt, 4)
     assert used == [1] * len(shared.tokens) + [2] * len(alone.tokens)
     assert shared.tokens == alone.tokens and len(alone.tokens) == 4
+
+
+def test_engines_stores_and_compute_threads_are_built_from_their_settings(tiny_models):
+    """Each service's parts from its settings (``from_settings``), every knob where it belongs."""
+    from draft_service.settings import DraftSettings
+    from specdec.scheduler import ComputeThread
+    from target_service.settings import TargetSettings
+
+    settings = TargetSettings(model=tiny_models["llama-target"], max_draft_tokens=6, max_batch_rows=100,
+                              overlap_threads=2, shared_prefill_rows=32, max_sessions=3, session_ttl_s=5.0,
+                              kv_budget_mb=16, pack_weights=False, runner="transformers", max_queued_calls=7,
+                              batch_gather_ms=4.0)
+    engine = TargetEngine.from_settings(settings)
+    assert (engine.max_draft_tokens, engine.max_batch_rows, engine.overlap_threads, engine.shared_prefill_rows) == (
+        6, 100, 2, 32)
+    assert (engine.store.max_sessions, engine.store.max_bytes, engine.store.ttl_s) == (3, 16 << 20, 5.0)
+    assert engine.info().max_draft_tokens == 6 and engine.info().model_id == settings.model
+    compute = ComputeThread.from_settings(settings, service="target")
+    assert compute.max_queued == 7
+    draft = NgramProposer.from_settings(DraftSettings(backend="ngram", max_draft_tokens=5, ngram_max=4, ngram_min=2,
+                                                      max_sessions=2))
+    assert (draft.max_ngram, draft.min_ngram, draft.store.max_sessions) == (4, 2, 2)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, step_json
 from ui import render
 from ui.client import OrchestratorClient, Rejected, StreamFailed, Unreachable, describe_detail, parse_sse
 
@@ -26,15 +26,14 @@ TEXTS = {10: " The", 11: " cat", 12: " <b>&", 13: " x", 20: " dog", 21: " ran", 
 def step(index: int, k: int, draft: list[int], accepted: int, next_token: int, kind: str,
          tokens: list[int] | None = None) -> dict[str, Any]:
     tokens = tokens if tokens is not None else draft[:accepted] + [next_token]
-    return {
-        "index": index, "k": k, "draft": draft, "draft_confidences": [0.9 - 0.1 * i for i in range(len(draft))],
-        "target_probs": [0.8 if i < accepted else 0.05 for i in range(len(draft))], "accepted": accepted,
-        "next_token": next_token, "next_kind": kind, "next_token_prob": 0.6, "tokens": tokens,
-        "text": "".join(TEXTS[t] for t in tokens), "draft_ms": 4.0 * len(draft), "verify_ms": 20.0,
-        "draft_compute_ms": 3.0 * len(draft), "verify_compute_ms": 18.0, "overhead_ms": 1.0,
-        "draft_stop_reason": "", "draft_error": "", "token_texts": [TEXTS[t] for t in draft],
-        "next_token_text": TEXTS[next_token],
-    }
+    return step_json(
+        draft, accepted, next_token, kind, index=index, k=k,
+        draft_confidences=[0.9 - 0.1 * i for i in range(len(draft))],
+        target_probs=[0.8 if i < accepted else 0.05 for i in range(len(draft))], tokens=tokens,
+        text="".join(TEXTS[t] for t in tokens), draft_ms=4.0 * len(draft), verify_ms=20.0,
+        draft_compute_ms=3.0 * len(draft), verify_compute_ms=18.0, overhead_ms=1.0,
+        token_texts=[TEXTS[t] for t in draft], next_token_text=TEXTS[next_token],
+    )
 
 
 SPECULATIVE = [

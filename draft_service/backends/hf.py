@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
 from specdec import sampling as sm
 from specdec.engine import CachedCausalLM, ForwardRequest, ModelInfo, eos_ids, torch_threads
@@ -9,6 +11,9 @@ from specdec.errors import Cancelled
 from specdec.models import LoadedModel, load_hf, tokenizer_fingerprint
 from specdec.scheduler import StepResult
 from specdec.sessions import SessionStore
+
+if TYPE_CHECKING:
+    from draft_service.settings import DraftSettings
 
 
 class TransformersProposer(Proposer):
@@ -36,10 +41,9 @@ class TransformersProposer(Proposer):
         self._eos = set(self._info.eos_token_ids)
 
     @classmethod
-    def from_settings(cls, settings) -> TransformersProposer:
+    def from_settings(cls, settings: DraftSettings) -> TransformersProposer:
         loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
-        store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
-        return cls(loaded, store, settings.max_draft_tokens, settings.overlap_threads)
+        return cls(loaded, SessionStore.from_settings(settings), settings.max_draft_tokens, settings.overlap_threads)
 
     @property
     def model_info(self) -> ModelInfo:

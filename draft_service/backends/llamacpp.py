@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +38,9 @@ from specdec.models import gguf_tokenizer_fingerprint
 from specdec.runtime import cpu_cores
 from specdec.scheduler import StepResult
 from specdec.sessions import Session, SessionStore, common_prefix_len
+
+if TYPE_CHECKING:
+    from draft_service.settings import DraftSettings
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +139,7 @@ class LlamaCppProposer(Proposer):
                     self.bytes_per_token)
 
     @classmethod
-    def from_settings(cls, settings) -> LlamaCppProposer:
+    def from_settings(cls, settings: DraftSettings) -> LlamaCppProposer:
         path = draft_gguf(settings.model, settings.target_model, settings.quant, settings.cache_dir)
         return cls(str(path), settings.max_sessions, settings.kv_budget_bytes,
                    settings.session_ttl_s, settings.max_draft_tokens, settings.threads,

@@ -9,10 +9,14 @@ exact: a rejected token is then resampled from the target's p with that token re
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 from draft_service.proposer import Proposal, Proposer, StopReason
 from specdec.engine import ModelInfo
 from specdec.sessions import SessionStore
+
+if TYPE_CHECKING:
+    from draft_service.settings import DraftSettings
 
 _WORD = array("I").itemsize  # bytes per packed id (ids are below 2**32)
 
@@ -45,7 +49,7 @@ def find_continuation(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: 
 class NgramProposer(Proposer):
     backend = "ngram"
 
-    def __init__(self, store: SessionStore, max_draft_tokens: int, max_ngram: int, min_ngram: int,
+    def __init__(self, store: SessionStore, max_draft_tokens: int, *, max_ngram: int, min_ngram: int,
                  vocab_size: int, max_context: int) -> None:
         super().__init__(store, max_draft_tokens)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -62,10 +66,10 @@ class NgramProposer(Proposer):
         )
 
     @classmethod
-    def from_settings(cls, settings) -> NgramProposer:
-        store = SessionStore(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
-        return cls(store, settings.max_draft_tokens, settings.ngram_max, settings.ngram_min,
-                   settings.ngram_vocab_size, settings.ngram_max_context)
+    def from_settings(cls, settings: DraftSettings) -> NgramProposer:
+        return cls(SessionStore.from_settings(settings), settings.max_draft_tokens, max_ngram=settings.ngram_max,
+                   min_ngram=settings.ngram_min, vocab_size=settings.ngram_vocab_size,
+                   max_context=settings.ngram_max_context)
 
     @property
     def model_info(self) -> ModelInfo:
