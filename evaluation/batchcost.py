@@ -11,8 +11,8 @@ The services set the same thread counts (target: all cores, with the bounded Ope
 draft: llama.cpp on one thread, as when it yields cores to a busy target), so the figures match
 what they pay per step under load. ``--kernels runner runner-ops packed onednn mkl`` times the
 target's passes each way the engine can run them, interleaved: specdec's own forward
-(``specdec.runner``, on weights packed at load: the service's default for Llama and GPT-2), with
-specdec.native's kernels between the linears or on torch ops only, and transformers' forward with
+(``specdec.runner``: the service's default for Llama and GPT-2) on specdec.native's kernels, or
+on oneDNN's packed linears and torch ops (a second copy of the model), and transformers' forward with
 each linear kernel of ``specdec.engine._FastLinears``: oneDNN on the packed weights, oneDNN on the
 row-major weights from 5 rows with MKL below, and MKL alone.
 
@@ -37,9 +37,9 @@ from evaluation.client import write_results
 
 logger = logging.getLogger("evaluation.batchcost")
 
-KERNELS = ("packed", "onednn", "mkl")  # specdec.engine.KERNELS (that module imports torch)
-# how a target pass can run: specdec's runner (with its native kernels, or on torch ops only), or
-# transformers' forward on each linear kernel
+KERNELS = ("packed", "onednn", "mkl")  # specdec.engine.KERNELS but native (that module imports torch)
+# how a target pass can run: specdec's runner on specdec.native, the runner on oneDNN's packed
+# linears and torch ops (as without a C compiler), or transformers' forward on each oneDNN/MKL kernel
 VARIANTS = ("runner", "runner-ops", *KERNELS)
 # transformers.GPT2Config overrides of the random models --target random:NAME builds
 RANDOM_CONFIGS: dict[str, dict[str, Any]] = {"gpt2": {}, "distilgpt2": {"n_layer": 6}}
@@ -60,9 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", default="embedded", help="draft GGUF for llama.cpp (default the embedded one); none skips it")
     p.add_argument("--kernels", nargs="+", choices=VARIANTS, default=["runner"],
                    help="how target passes run, compared interleaved: runner (the service's default: specdec's own "
-                        "forward on weights packed at load, with specdec.native's kernels between the linears), "
-                        "runner-ops (the same forward on torch ops only, as without a C compiler), or transformers' "
-                        "forward with the linear kernel packed "
+                        "forward on specdec.native's kernels: its linears on weights packed at load and the work between "
+                        "them), runner-ops (the same forward on oneDNN's packed linears and torch ops, as without a C "
+                        "compiler), or transformers' forward with the linear kernel packed "
                         "(oneDNN on the packed weights), onednn (oneDNN on the row-major weights for passes of "
                         "specdec.engine.ONEDNN_MIN_ROWS rows or more, MKL below) or mkl (MKL at any row count); "
                         "default runner")
@@ -114,49 +114,68 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
     from target_service.engine import TargetEngine
 
     target = resolve_target(args.target)
-    loaded = load_hf(target, "float32", "cpu", default_cache_dir())
-    # the row-major weights stay only when other kernels are compared (the service frees them)
-    fast_linears(loaded.model, keep_row_major=any(k in ("onednn", "mkl") for k in args.kernels))
-    engine = TargetEngine(loaded, SessionStore(512, 8 << 30, 0), max_draft_tokens=32)
-    fast = engine.lm.fast_linears
-    runner = engine.lm.runner
-    default = fast.kernel
-    native = runner.native if runner is not None else None
-    available = ("runner",) * (runner is not None) + ("runner-ops",) * (runner is not None) + fast.kernels
-    if "runner" in args.kernels and runner is not None and native is None:
-        raise SystemExit("specdec.native's kernels are unavailable here (see the log): runner-ops is the runner without them")
-    missing = [k for k in args.kernels if k not in available]
-    if missing:
-        raise SystemExit(f"this model and torch build cannot run {', '.join(missing)}; they have {', '.join(available)}")
+
+    def engine_for(native: bool) -> TargetEngine:
+        loaded = load_hf(target, "float32", "cpu", default_cache_dir())
+        # the row-major weights stay only when other kernels are compared (the service frees them)
+        fast_linears(loaded.model, keep_row_major=any(k in ("onednn", "mkl") for k in args.kernels), native=native)
+        return TargetEngine(loaded, SessionStore(512, 8 << 30, 0), max_draft_tokens=32, native=native)
+
+    # "runner": specdec.native's linears and kernels (the service's default); every other variant
+    # on a second copy of the model whose weights are packed for oneDNN, as without specdec.native
+    engines = {}
+    if "runner" in args.kernels:
+        engines["runner"] = engine_for(True)
+        if engines["runner"].lm.runner is None or engines["runner"].lm.runner.native is None:
+            raise SystemExit("specdec.native's kernels or the runner are unavailable here (see the log)")
+    if any(k != "runner" for k in args.kernels):
+        engines["other"] = engine_for(False)
+    if "other" in engines:
+        other = engines["other"]
+        available = ("runner-ops",) * (other.lm.runner is not None) + other.lm.fast_linears.kernels
+        missing = [k for k in args.kernels if k != "runner" and k not in available]
+        if missing:
+            raise SystemExit(f"this model and torch build cannot run {', '.join(missing)}; they have "
+                             f"runner, {', '.join(available)}")
     rng = random.Random(0)
     out = {}
     for q in args.rows:
         for b in args.batches:
             seqs = [_ids(rng, args.context) for _ in range(b)]
-            for i, s in enumerate(seqs):
-                engine.verify(f"t{q}-{b}-{i}", s)
+            for engine in engines.values():
+                for i, s in enumerate(seqs):
+                    engine.verify(f"t{q}-{b}-{i}", s)
             times: dict[str, list[float]] = {k: [] for k in args.kernels}
             for _ in range(args.repeats):
                 for kernel in args.kernels:  # interleaved, so drift of the machine hits each alike
-                    engine.lm.runner = runner if kernel.startswith("runner") else None
-                    if runner is not None:
-                        runner.native = native if kernel == "runner" else None
-                    fast.kernel = "packed" if kernel.startswith("runner") else kernel
+                    engine = engines["runner" if kernel == "runner" else "other"]
+                    _select(engine, kernel)
                     # each step: the session's next token (uncached) plus q - 1 draft tokens
                     jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1))
                             for i, s in enumerate(seqs)]
                     t = time.perf_counter()
                     engine.step(jobs)
                     times[kernel].append((time.perf_counter() - t) * 1e3)
-            for i in range(b):
-                engine.release(f"t{q}-{b}-{i}")
+            for engine in engines.values():
+                for i in range(b):
+                    engine.release(f"t{q}-{b}-{i}")
             for kernel in args.kernels:
                 out[(kernel, b, q)] = statistics.median(times[kernel])
                 logger.info("target (%s): %d sessions × %d rows: %.1f ms", kernel, b, q, out[(kernel, b, q)])
-    fast.kernel, engine.lm.runner = default, runner
-    if runner is not None:
-        runner.native = native
     return out
+
+
+def _select(engine: Any, kernel: str) -> None:
+    """Make ``engine`` run its passes as ``kernel`` says (the runner, or transformers' forward on
+    one linear kernel)."""
+    lm = engine.lm
+    if not hasattr(lm, "_specdec_runner"):
+        lm._specdec_runner = lm.runner
+    lm.runner = lm._specdec_runner if kernel.startswith("runner") else None
+    if kernel not in ("runner", "runner-ops"):
+        lm.fast_linears.kernel = kernel
+    elif lm.fast_linears.kernels:
+        lm.fast_linears.kernel = lm.fast_linears.kernels[0]
 
 
 def draft_costs(args: argparse.Namespace) -> dict[int, float]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from specdec.errors import InvalidArgument
+from specdec.native import kernels
 from specdec.params import ModelInfo  # noqa: F401  (re-exported)
 from specdec.ragged import ATTENTION_PATHS, RaggedBatch, Segment, SessionKV, attention_path, kv_geometry, ragged_attention_on
 from specdec.runner import RunnerBatch, fused_groups, pad_rows, runner_for
@@ -85,7 +86,7 @@ ONEDNN_MIN_ROWS = 5
 # The batch size oneDNN blocks a prepacked weight for. Any hint from 8 up gave the same speed for
 # 1-64 rows and the same sums for a row whatever the rows around it; a hint of 1 did not.
 PACK_ROWS_HINT = 64
-KERNELS = ("packed", "onednn", "mkl")
+KERNELS = ("native", "packed", "onednn", "mkl")
 
 
 def _onednn_linear() -> Any:
@@ -121,10 +122,11 @@ def _onednn_pack() -> Any:
 
 @dataclass
 class Packed:
-    """A linear layer's weight packed for oneDNN: the layer's own, or one shared with the layers
-    of its fused group, whose output columns ``start:end`` are this layer's."""
+    """A linear layer's packed weight (specdec.native's panels or oneDNN's blocked layout): the
+    layer's own, or one shared with the layers of its fused group, whose output columns
+    ``start:end`` are this layer's."""
 
-    weight: torch.Tensor  # opaque oneDNN layout, [out_features of the group, in_features]
+    weight: torch.Tensor  # panels (kernel "native") or opaque oneDNN layout, [out of the group, in_features]
     bias: torch.Tensor | None  # [out_features of the group]
     start: int
     end: int
@@ -140,7 +142,12 @@ class _FastLinears:
     and verification.
 
     A verify of k draft tokens is a forward of k + 1 rows; speculation pays only if it costs little
-    more than a plain step of one row. Stock ``F.linear`` grows steeply with the rows (MKL takes a
+    more than a plain step of one row. Where specdec.native builds (``kernel = "native"``, the
+    default), each fp32 weight is packed once, at load, into its panels of 16 output columns and
+    every call runs its C kernel: it streams the weights at memory speed from one row up, sums
+    every output in one fixed order whatever the other rows (so a verify computes bit for bit what
+    plain steps would), and costs ~3 µs a call where oneDNN's costs ~10 (docs/performance.md, "The
+    target step at the floor"). Otherwise, as follows. Stock ``F.linear`` grows steeply with the rows (MKL takes a
     slow path for 2..~10 rows of ``x @ W.T``) and oneDNN on the row-major weight re-blocks it on
     every call. So each fp32 weight is packed once, at load, into oneDNN's blocked layout
     (``kernel = "packed"``): all of the embedded target's linears then cost about the same for 1 to
@@ -161,22 +168,28 @@ class _FastLinears:
     """
 
     @classmethod
-    def of(cls, model: Any, pack: bool = True, keep_row_major: bool = False) -> _FastLinears:
+    def of(cls, model: Any, pack: bool = True, keep_row_major: bool = False, native: bool = True) -> _FastLinears:
         """The model's one instance (engines may share a model object; wrap its layers once; the
         first caller's options hold). ``pack``: pack the weights where this build can;
-        ``keep_row_major``: keep the row-major weights too (for comparing kernels)."""
+        ``keep_row_major``: keep the row-major weights too (for comparing kernels); ``native``:
+        pack for specdec.native's kernel where it builds, else for oneDNN."""
         fast = getattr(model, "_specdec_fast_linears", None)
         if not isinstance(fast, cls):
-            fast = cls(model, pack, keep_row_major)
+            fast = cls(model, pack, keep_row_major, native)
             model._specdec_fast_linears = fast
         return fast
 
-    def __init__(self, model: Any, pack: bool = True, keep_row_major: bool = False) -> None:
+    def __init__(self, model: Any, pack: bool = True, keep_row_major: bool = False, native: bool = True) -> None:
         self._local = threading.local()
         self.count = 0
         self._onednn = _onednn_linear()
-        pack = _onednn_pack() if pack else None
-        self.kernel = "packed" if pack is not None else "onednn" if self._onednn is not None else "mkl"
+        self.native = kernels() if pack and native else None
+        if self.native is not None:
+            pack = lambda w, _hint: self.native.pack_linear(w)  # noqa: E731
+            self.kernel = "native"
+        else:
+            pack = _onednn_pack() if pack else None
+            self.kernel = "packed" if pack is not None else "onednn" if self._onednn is not None else "mkl"
         # module id -> its packed weight: its own, or that of its fused group (Packed.start/end
         # name its output columns there)
         self._packed: dict[int, Packed] = {}
@@ -230,7 +243,10 @@ class _FastLinears:
     def _packed_forward(self, module: Any, x2: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         rows = x2.shape[0]
         p = self._packed[id(module)]
-        y = self._onednn(pad_rows(x2).contiguous(), p.weight, p.bias, "none", [], "")
+        if self.native is not None:
+            y = self.native.linear(x2.contiguous(), p.weight, p.group_out, p.bias)
+        else:
+            y = self._onednn(pad_rows(x2).contiguous(), p.weight, p.bias, "none", [], "")
         if p.fused:  # this layer's columns of its group's output (transformers' own forward only)
             y = y[:, p.start:p.end]
         return y[:rows].reshape(*shape[:-1], y.shape[-1])
@@ -241,7 +257,7 @@ class _FastLinears:
         return bool(self._packed)
 
     def packed(self, module: Any) -> Packed:
-        """The packed oneDNN weight serving one of the model's linear layers (KeyError when none)."""
+        """The packed weight serving one of the model's linear layers (KeyError when none)."""
         return self._packed[id(module)]
 
     @property
@@ -258,8 +274,12 @@ class _FastLinears:
     def kernels(self) -> tuple[str, ...]:
         """The kernels this model can run now, fastest first (packed only once weights are freed)."""
         if self._released:
-            return ("packed",)
-        return KERNELS[KERNELS.index(self.kernel):] if self._onednn is not None else ("mkl",)
+            return (self.kernel,)
+        if self._onednn is None:
+            return ("native", "mkl") if self.kernel == "native" else ("mkl",)
+        if self.kernel == "native":  # its weights are packed for specdec.native, not oneDNN
+            return ("native", "onednn", "mkl")
+        return KERNELS[KERNELS.index(self.kernel):]
 
     def active(self) -> _FastLinearsScope:
         return _FastLinearsScope(self._local)
@@ -273,7 +293,7 @@ class _FastLinears:
         rows = x2.shape[0]
         if rows == 0 or x2.dtype != torch.float32:
             return stock(x)
-        if self.kernel == "packed":
+        if self.kernel in ("native", "packed"):
             return self._packed_forward(module, x2, x.shape)
         if rows > FAST_LINEAR_MAX_ROWS or id(module) in self._conv1d:
             return stock(x)
@@ -302,9 +322,9 @@ def _linear_weight(module: Any) -> torch.Tensor | None:
     return weight if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
 
 
-def fast_linears(model: Any, pack: bool = True, keep_row_major: bool = False) -> _FastLinears:
+def fast_linears(model: Any, pack: bool = True, keep_row_major: bool = False, native: bool = True) -> _FastLinears:
     """The model's fast linear layers (see :class:`_FastLinears`); the first call wraps them."""
-    return _FastLinears.of(model, pack, keep_row_major)
+    return _FastLinears.of(model, pack, keep_row_major, native)
 
 
 class _FastLinearsScope:
@@ -351,7 +371,7 @@ class CachedCausalLM:
     """
 
     def __init__(self, model: Any, store: SessionStore, pack_weights: bool = True, use_runner: bool = True,
-                 attention: str | None = None) -> None:
+                 attention: str | None = None, native: bool = True) -> None:
         self.model = model
         self.store = store
         self.lock = threading.Lock()
@@ -361,11 +381,11 @@ class CachedCausalLM:
         self.attention = attention or attention_path(self.device)
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
-        self.fast_linears = _FastLinears.of(model, pack_weights)
+        self.fast_linears = _FastLinears.of(model, pack_weights, native=native)
         logger.info("%d fp32 linear layers on the %s kernel (%d served by their packed weight alone)",
                     self.fast_linears.count, self.fast_linears.kernel, self.fast_linears.released)
         # specdec's own forward for the architectures it covers (specdec.runner), else transformers'
-        self.runner = runner_for(model, self.fast_linears) if use_runner and self.device.type == "cpu" else None
+        self.runner = runner_for(model, self.fast_linears, native) if use_runner and self.device.type == "cpu" else None
         self.geometry = kv_geometry(model)
         layers, kv_heads, head_dim = self.geometry
         self.bytes_per_token = 2 * layers * kv_heads * head_dim * param.element_size()

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdec.native import Kernels, kernels
+from specdec.native import Kernels
 from specdec.ragged import Segment
 
 logger = logging.getLogger(__name__)
@@ -77,20 +77,26 @@ class RunnerBatch:
 
 
 class _Linear:
-    """One projection on its packed oneDNN weight: ``x @ W.T + b`` with an optional fused
-    activation (``act``) or residual (``add``)."""
+    """One projection on its packed weight: ``x @ W.T + b`` with an optional fused activation
+    (``act``) or residual (``add``), on specdec.native's kernel or oneDNN's (``native`` None)."""
 
-    __slots__ = ("weight", "bias", "op", "binary", "out_features")
+    __slots__ = ("weight", "bias", "op", "binary", "out_features", "native")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, op: Any, out_features: int) -> None:
-        self.weight, self.bias, self.op, self.out_features = weight, bias, op, out_features
-        self.binary = torch.ops.mkldnn._linear_pointwise.binary
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, op: Any, out_features: int,
+                 native: Kernels | None = None) -> None:
+        self.weight, self.bias, self.op, self.out_features, self.native = weight, bias, op, out_features, native
+        self.binary = torch.ops.mkldnn._linear_pointwise.binary if native is None else None
 
     def __call__(self, x: torch.Tensor, act: str = "none", algorithm: str = "") -> torch.Tensor:
+        if self.native is not None:
+            return self.native.linear(x, self.weight, self.out_features, self.bias,
+                                      "gelu_tanh" if act == "gelu" else act)
         return self.op(x, self.weight, self.bias, act, [], algorithm)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + x @ W.T + b`` in one oneDNN call (a post-op sum: the same fp32 add)."""
+        """``residual + x @ W.T + b`` in one call (a post-op sum: the same fp32 add)."""
+        if self.native is not None:
+            return self.native.linear(x, self.weight, self.out_features, self.bias, residual=residual)
         return self.binary(x, residual, self.weight, self.bias, "add")
 
 
@@ -102,7 +108,7 @@ def _linear(fast: Any, *modules: Any) -> _Linear:
     if not (all(p.weight is first.weight for p in parts) and first.start == 0 and parts[-1].end == first.group_out
             and all(a.end == b.start for a, b in zip(parts, parts[1:], strict=False))):
         raise KeyError(f"{type(modules[0]).__name__} layers not packed as one weight")
-    return _Linear(first.weight, first.bias, fast.onednn, first.group_out)
+    return _Linear(first.weight, first.bias, fast.onednn, first.group_out, fast.native)
 
 
 def fused_groups(model: Any) -> list[list[Any]]:
@@ -127,9 +133,11 @@ class _Runner:
         self.group = heads // kv_heads
         self.scale = scale
         self.lm_head = lm_head
-        # specdec.native's kernels for the work between the linears (None: torch ops, same results
-        # up to rounding); the packed weights this runner needs are fp32 on the CPU, and so is its KV
-        self.native: Kernels | None = kernels() if lm_head.weight.device.type == "cpu" else None
+        # specdec.native's kernels for the work between the linears when the linears run on it too
+        # (None: torch ops and oneDNN, the same results up to rounding)
+        self.native: Kernels | None = lm_head.native
+        # oneDNN's packed kernel runs few rows faster padded (PACK_PAD_ROWS); specdec.native's does not
+        self.pad = pad_rows if lm_head.native is None else (lambda x: x)
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         """Logits [R, V] fp32 of the ``keep`` rows of ``batch``; writes every segment's keys and
@@ -177,7 +185,7 @@ class _Runner:
         rows = keep.shape[0]
         if not rows:  # a prefill chunk: its keys and values are all it is for
             return x.new_empty(0, self.lm_head.out_features)
-        h = norm(pad_rows(x.index_select(0, keep)))
+        h = norm(self.pad(x.index_select(0, keep)))
         return self.lm_head(h)[:rows]
 
 
@@ -221,7 +229,7 @@ class LlamaRunner(_Runner):
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         t = batch.ids.shape[0]
-        x = pad_rows(F.embedding(batch.ids, self.embed))
+        x = self.pad(F.embedding(batch.ids, self.embed))
         tp = x.shape[0]
         positions = batch.positions if tp == t else torch.cat((batch.positions, batch.positions.new_zeros(tp - t)))
         cos, sin = self.rotary(x, positions[None])  # [1, Tp, D]: cos and sin repeated over both halves
@@ -295,7 +303,7 @@ class GPT2Runner(_Runner):
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         heads, d, n = self.heads, self.head_dim, self.hidden
-        x = pad_rows(F.embedding(batch.ids, self.wte) + F.embedding(batch.positions, self.wpe))
+        x = self.pad(F.embedding(batch.ids, self.wte) + F.embedding(batch.positions, self.wpe))
         if self.native is not None:
             return self._forward_native(x, batch)
         tp = x.shape[0]
@@ -327,14 +335,15 @@ class GPT2Runner(_Runner):
 RUNNERS: dict[str, type[_Runner]] = {"llama": LlamaRunner, "gpt2": GPT2Runner}
 
 
-def runner_for(model: Any, fast: Any) -> _Runner | None:
+def runner_for(model: Any, fast: Any, native: bool = True) -> _Runner | None:
     """The lean runner of ``model`` (None when its architecture or configuration is not covered,
     when its weights are not packed fp32 CPU linears, or when this torch build lacks the fused
-    oneDNN ops; the caller then runs the transformers forward)."""
+    oneDNN ops; the caller then runs the transformers forward). ``native`` False keeps the work
+    between the linears on torch ops even where the linears run on specdec.native."""
     config = model.config
     cls = RUNNERS.get(getattr(config, "model_type", ""))
     why = "no runner for this architecture" if cls is None else cls.unsupported(model)
-    if why is None and fast.kernel != "packed":
+    if why is None and fast.kernel not in ("native", "packed"):
         why = f"linear weights on the {fast.kernel!r} kernel, not packed"
     if why is None:
         try:
@@ -342,7 +351,10 @@ def runner_for(model: Any, fast: Any) -> _Runner | None:
         except (KeyError, AttributeError, RuntimeError) as exc:  # a layer that was not packed, an odd layout
             why = f"{type(exc).__name__}: {exc}"
         else:
-            logger.info("forward passes run on specdec's %s runner", runner.name)
+            if not native:
+                runner.native = None
+            logger.info("forward passes run on specdec's %s runner (%s between the linears)", runner.name,
+                        "torch ops" if runner.native is None else "specdec.native")
             return runner
     logger.info("forward passes run through transformers (%s)", why)
     return None

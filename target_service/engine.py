@@ -85,13 +85,13 @@ class TargetEngine:
     def __init__(self, loaded: LoadedModel, store: SessionStore, *, max_draft_tokens: int = 32,
                  max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, overlap_threads: int = 0,
                  shared_prefill_rows: int = DEFAULT_SHARED_PREFILL_ROWS, pack_weights: bool = True,
-                 use_runner: bool = True) -> None:
+                 use_runner: bool = True, native: bool = True) -> None:
         self.loaded = loaded
         # Rows of long prefills in a pass that also decodes for other sessions (0: max_batch_rows).
         self.shared_prefill_rows = max(shared_prefill_rows, MIN_PREFILL_CHUNK) if shared_prefill_rows else 0
         # Threads of a pass that verifies while a draft computes on this host (0: no change).
         self.overlap_threads = overlap_threads
-        self.lm = CachedCausalLM(loaded.model, store, pack_weights, use_runner)
+        self.lm = CachedCausalLM(loaded.model, store, pack_weights, use_runner, native=native)
         self.store = store
         self.max_draft_tokens = max_draft_tokens
         self.max_batch_rows = max(max_batch_rows, max_draft_tokens + 1 + MIN_PREFILL_CHUNK)

@@ -224,8 +224,9 @@ def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
     from specdec.runner import padded_rows
 
     loaded = load_hf(tiny_models["llama-target"])
-    fast_linears(loaded.model, keep_row_major=True)  # to compare kernels, as evaluation.batchcost does
-    engine = TargetEngine(loaded, SessionStore(2, 1 << 30, 0))
+    # to compare kernels, as evaluation.batchcost does; oneDNN's packing, not specdec.native's
+    fast_linears(loaded.model, keep_row_major=True, native=False)
+    engine = TargetEngine(loaded, SessionStore(2, 1 << 30, 0), native=False)
     fast = engine.lm.fast_linears
     if fast.kernels[0] != "packed":
         pytest.skip("this torch build has no oneDNN weight prepack")
@@ -251,8 +252,43 @@ def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
         assert calls == expected, kernel
 
 
+def test_native_linears_match_the_stock_kernel_at_every_row_count(tiny_models):
+    """Where specdec.native builds, the engine's linears run on its kernel (weights packed in
+    panels at load) for any number of rows, a lone row included, and agree with ``F.linear``."""
+    import torch
+
+    from specdec.engine import fast_linears
+
+    loaded = load_hf(tiny_models["gpt2-target"])  # Conv1D layers (weight [in, out]) and biases
+    fast_linears(loaded.model, keep_row_major=True)
+    engine = TargetEngine(loaded, SessionStore(2, 1 << 30, 0))
+    fast = engine.lm.fast_linears
+    assert fast.kernel == "native" and fast.kernels == ("native", "onednn", "mkl"), "specdec.native did not build"
+    native, calls = fast.native, []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def linear(self, x, *args, **kwargs):
+            calls.append(x.shape[0])
+            return native.linear(x, *args, **kwargs)
+
+    fast.native = Counting()
+    for module in [m for m in engine.lm.model.modules() if type(m).__name__ == "Conv1D"][:4]:
+        for n in (1, 2, 3, 9, 70):
+            calls.clear()
+            x = torch.randn(1, n, module.weight.shape[0])
+            stock = torch.addmm(module.bias, x.view(n, -1), module.weight).view(1, n, -1)
+            with torch.inference_mode(), fast.active():
+                y = module(x)
+            assert calls == [n]  # no padding: the kernel takes a lone row as it is
+            assert y.shape == stock.shape and torch.allclose(y, stock, rtol=1e-5, atol=1e-5), (module, n)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "onednn"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_packed_layers_free_their_row_major_weights_and_keep_their_outputs(tiny_models, arch):
+def test_packed_layers_free_their_row_major_weights_and_keep_their_outputs(tiny_models, arch, native):
     """By default each packed layer drops its row-major weight (a tied lm_head keeps it: the input
     embeddings hold it) and serves every call from the packed one, inside an engine's forward or
     not (``generate``); the outputs are those of the model that kept its weights, bit for bit."""
@@ -261,10 +297,11 @@ def test_packed_layers_free_their_row_major_weights_and_keep_their_outputs(tiny_
     from specdec.engine import fast_linears
 
     kept = load_hf(tiny_models[f"{arch}-target"])
-    fast_linears(kept.model, keep_row_major=True)
-    engine = TargetEngine(load_hf(tiny_models[f"{arch}-target"]), SessionStore(2, 1 << 30, 0))
+    fast_linears(kept.model, keep_row_major=True, native=native)
+    engine = TargetEngine(load_hf(tiny_models[f"{arch}-target"]), SessionStore(2, 1 << 30, 0), native=native)
     fast = engine.lm.fast_linears
-    if fast.kernel != "packed":
+    assert fast.kernel in ("native", "packed") and (fast.kernel == "native") == native
+    if fast.kernel != "packed" and not native:
         pytest.skip("this torch build has no oneDNN weight prepack")
     model = engine.lm.model
     # nn.Linear, and GPT-2's Conv1D (weight [in, out])
@@ -299,15 +336,16 @@ def _verifies_like_plain_greedy(engine: TargetEngine, path: str) -> None:
     assert (v.num_accepted, v.next_token) == (0, ref[0])
 
 
-def test_packed_linears_sum_a_row_alike_whatever_rows_surround_it(tiny_models):
-    """With packed weights a row's output does not depend on the other rows of the pass (bit for
-    bit, 1 to 33 rows): a verify of k draft tokens computes each row's linears exactly as a plain
-    step of that row would."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "onednn"])
+def test_packed_linears_sum_a_row_alike_whatever_rows_surround_it(tiny_models, native):
+    """With packed weights (specdec.native's or oneDNN's) a row's output does not depend on the
+    other rows of the pass (bit for bit, 1 to 33 rows): a verify of k draft tokens computes each
+    row's linears exactly as a plain step of that row would."""
     import torch
 
-    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0), native=native)
     fast = engine.lm.fast_linears
-    if fast.kernel != "packed":
+    if fast.kernel != ("native" if native else "packed"):
         pytest.skip("this torch build has no oneDNN weight prepack")
     torch.manual_seed(0)
     for linear in [m for m in engine.lm.model.modules() if type(m) is torch.nn.Linear]:
@@ -329,7 +367,7 @@ def test_a_build_whose_prepack_fails_keeps_the_row_major_kernels(monkeypatch, ti
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", broken)
     assert engine_module._onednn_pack() is None
-    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0), native=False)
     assert engine.lm.fast_linears.kernel == "onednn" and engine.lm.fast_linears.released == 0
     _verifies_like_plain_greedy(engine, tiny_models["llama-target"])
 
@@ -356,7 +394,11 @@ def test_a_build_without_onednn_runs_mkl_and_verifies_alike(monkeypatch, tiny_mo
         raise RuntimeError("no oneDNN kernel in this build")
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
-    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0), native=False)
     fast = engine.lm.fast_linears
     assert (fast.kernel, fast.kernels, fast.released) == ("mkl", ("mkl",), 0)
+    _verifies_like_plain_greedy(engine, tiny_models["llama-target"])
+    # specdec.native needs no oneDNN: its packed linears and the runner still serve
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
+    assert engine.lm.fast_linears.kernel == "native" and engine.lm.runner is not None
     _verifies_like_plain_greedy(engine, tiny_models["llama-target"])

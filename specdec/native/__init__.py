@@ -41,6 +41,10 @@ _I = ctypes.c_int64
 _F = ctypes.c_float
 
 
+PANEL = 16  # output columns per panel of a packed linear weight (kernels.c)
+ACTIVATIONS = {"none": 0, "gelu_tanh": 1}
+
+
 class NativeError(RuntimeError):
     """The native library could not be built or loaded."""
 
@@ -120,6 +124,12 @@ class Kernels:
         self._silu_mul = lib.sd_silu_mul
         self._silu_mul.argtypes = [_P, _P, _I, _I]
         self._silu_mul.restype = None
+        self._pack_linear = lib.sd_pack_linear
+        self._pack_linear.argtypes = [_P, _I, _I, _P]
+        self._pack_linear.restype = None
+        self._linear = lib.sd_linear
+        self._linear.argtypes = [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int, _P]
+        self._linear.restype = None
         self._attention = lib.sd_attention
         self._attention.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _I]
         self._attention.restype = ctypes.c_int
@@ -144,6 +154,25 @@ class Kernels:
         out = gate_up.new_empty(rows, n)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n)
         return out
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` [out, in] (fp32, contiguous) in panels of 16 output columns for
+        :meth:`linear`: a flat tensor of ceil(out / 16) * in * 16 floats."""
+        n, k = weight.shape
+        panels = torch.empty((n + PANEL - 1) // PANEL * PANEL * k, dtype=torch.float32)
+        self._pack_linear(weight.data_ptr(), n, k, panels.data_ptr())
+        return panels
+
+    def linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+               act: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``act(x @ W.T + bias) + residual`` of a [rows, in] ``x`` on ``W`` packed by
+        :meth:`pack_linear`; ``act`` "none" or "gelu_tanh"."""
+        rows = x.shape[0]
+        y = x.new_empty(rows, out_features)
+        self._linear(x.data_ptr(), rows, x.shape[1], panels.data_ptr(), out_features,
+                     None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
+                     ACTIVATIONS[act], y.data_ptr())
+        return y
 
     @staticmethod
     def segment_table(segments: list) -> torch.Tensor:

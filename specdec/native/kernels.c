@@ -344,3 +344,121 @@ int sd_attention(float *qkv, int64_t stride, int64_t q_off, int64_t k_off, int64
     }
     return failed ? -1 : 0;
 }
+
+/* ---- Linear layers on panel-packed weights ----
+ *
+ * y[M, N] = act(x[M, K] @ W^T + bias) + residual. W [N, K] is packed once (sd_pack_linear) into
+ * panels of 16 output columns, each K x 16 floats laid out k-major (the last panel zero-padded),
+ * so a pass streams every weight exactly once, sequentially, whatever M. Each output (m, n) is one
+ * vector lane summed over k = 0 .. K-1 in order: the same additions for a row alone or among any
+ * other rows, on any thread (the contract above). Rows are taken 4 at a time against 4 panels
+ * (16 accumulators), so the weights read serve 4 rows; a lone row still streams them at memory
+ * speed. Threads split the panels.
+ */
+
+#define PANEL 16
+#define PANELS 4 /* panels per tile */
+#define ROWS 4   /* rows per tile */
+
+void sd_pack_linear(const float *w, int64_t n, int64_t k, float *panels) {
+    int64_t np = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for if (n * k >= (1 << 16))
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t j = 0; j < PANEL; j++) {
+                int64_t col = p * PANEL + j;
+                panels[(p * k + kk) * PANEL + j] = col < n ? w[col * k + kk] : 0.0f;
+            }
+}
+
+typedef struct {
+    const float *x, *panels, *bias, *residual;
+    float *y;
+    int64_t m, k, n;
+    int act; /* 0 none, 1 tanh-GELU */
+} linear_args;
+
+/* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (e^(2u) + 1) */
+INLINE v16 gelu_tanh(v16 x) {
+    v16 u = splat(0.7978845608028654f) * (x + splat(0.044715f) * x * x * x);
+    v16 t = splat(1.0f) - splat(2.0f) / (vexp(u + u) + splat(1.0f));
+    return splat(0.5f) * x * (splat(1.0f) + t);
+}
+
+INLINE void store_panel(const linear_args *a, int64_t row, int64_t p, v16 acc) {
+    int64_t col = p * PANEL, valid = a->n - col < PANEL ? a->n - col : PANEL;
+    v16 v = acc;
+    if (a->bias) {
+        v16 b = splat(0.0f);
+        memcpy(&b, a->bias + col, valid * sizeof(float));
+        v += b;
+    }
+    if (a->act == 1) v = gelu_tanh(v);
+    float *out = a->y + row * a->n + col;
+    if (a->residual) {
+        v16 r = splat(0.0f);
+        memcpy(&r, a->residual + row * a->n + col, valid * sizeof(float));
+        v += r;
+    }
+    if (valid == PANEL) store16(out, v);
+    else memcpy(out, &v, valid * sizeof(float));
+}
+
+INLINE void linear_tile(const linear_args *a, int64_t m0, int64_t p0, const int rows, const int panels) {
+    v16 acc[ROWS][PANELS];
+    const int64_t k = a->k;
+    const float *x = a->x + m0 * k;
+    const float *w0 = a->panels + p0 * k * PANEL;
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < panels; b++) acc[r][b] = splat(0.0f);
+    for (int64_t kk = 0; kk < k; kk++) {
+        v16 w[PANELS];
+        for (int b = 0; b < panels; b++) w[b] = load16(w0 + (b * k + kk) * PANEL);
+        for (int r = 0; r < rows; r++) {
+            float xs = x[r * k + kk];
+            v16 xv = {xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs};
+            for (int b = 0; b < panels; b++) acc[r][b] += xv * w[b];
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < panels; b++) store_panel(a, m0 + r, p0 + b, acc[r][b]);
+}
+
+#define TILE_ROWS(a, m0, p, rows, panels)                                  \
+    switch (rows) {                                                          \
+    case 4: linear_tile(a, m0, p, 4, panels); break;                         \
+    case 3: linear_tile(a, m0, p, 3, panels); break;                         \
+    case 2: linear_tile(a, m0, p, 2, panels); break;                         \
+    default: linear_tile(a, m0, p, 1, panels); break;                        \
+    }
+
+CLONES static void linear_panels(const linear_args *a, int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1;) {
+        int whole = p + PANELS <= p1;
+        for (int64_t m0 = 0; m0 < a->m; m0 += ROWS) {
+            int rows = a->m - m0 < ROWS ? (int)(a->m - m0) : ROWS;
+            if (whole) {
+                TILE_ROWS(a, m0, p, rows, PANELS)
+            } else {
+                TILE_ROWS(a, m0, p, rows, 1)
+            }
+        }
+        p += whole ? PANELS : 1;
+    }
+}
+
+void sd_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_t n, const float *bias,
+               const float *residual, int act, float *y) {
+    linear_args a = {x, panels, bias, residual, y, m, k, n, act};
+    int64_t np = (n + PANEL - 1) / PANEL;
+#pragma omp parallel if (m * n * k >= (1 << 15))
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        /* whole tiles of panels per thread; the last thread takes the rest */
+        int64_t per = (np / nt + PANELS - 1) / PANELS * PANELS;
+        int64_t p0 = t * per, p1 = t == nt - 1 ? np : p0 + per;
+        if (p0 > np) p0 = np;
+        if (p1 > np) p1 = np;
+        if (p0 < p1) linear_panels(&a, p0, p1);
+    }
+}
