@@ -184,6 +184,12 @@ class _FastLinears:
         self.count = 0
         self._onednn = _onednn_linear()
         self.native = kernels() if pack and native else None
+        if self.native is not None and self.native.isa != "avx512" and _onednn_pack() is not None:
+            # without AVX-512 the native kernel streams a lone row as fast, but computes several
+            # rows at a third of oneDNN's speed (docs/performance.md): oneDNN's packed linears then
+            logger.info("linears on oneDNN's packed kernel: specdec.native's runs %s here, not AVX-512",
+                        self.native.isa)
+            self.native = None
         if self.native is not None:
             pack = lambda w, _hint: self.native.pack_linear(w)  # noqa: E731
             self.kernel = "native"

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdec.native import Kernels
+from specdec.native import Kernels, kernels
 from specdec.ragged import Segment
 
 logger = logging.getLogger(__name__)
@@ -133,9 +133,9 @@ class _Runner:
         self.group = heads // kv_heads
         self.scale = scale
         self.lm_head = lm_head
-        # specdec.native's kernels for the work between the linears when the linears run on it too
-        # (None: torch ops and oneDNN, the same results up to rounding)
-        self.native: Kernels | None = lm_head.native
+        # specdec.native's kernels for the work between the linears (None: torch ops, the same
+        # results up to rounding); the linears run on it too where the weights were packed for it
+        self.native: Kernels | None = kernels()
         # oneDNN's packed kernel runs few rows faster padded (PACK_PAD_ROWS); specdec.native's does not
         self.pad = pad_rows if lm_head.native is None else (lambda x: x)
 

@@ -402,3 +402,19 @@ def test_a_build_without_onednn_runs_mkl_and_verifies_alike(monkeypatch, tiny_mo
     engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
     assert engine.lm.fast_linears.kernel == "native" and engine.lm.runner is not None
     _verifies_like_plain_greedy(engine, tiny_models["llama-target"])
+
+
+def test_without_avx512_linears_run_on_onednn_and_the_rest_on_native(monkeypatch, tiny_models):
+    """specdec.native's linears compute several rows slowly without AVX-512: there the weights
+    are packed for oneDNN, while the runner keeps the native kernels between the linears; it
+    still verifies exactly as plain greedy decoding."""
+    from specdec.native import kernels
+
+    lib = kernels()
+    assert lib is not None, "specdec.native did not build"
+    monkeypatch.setattr(lib, "isa", "avx2")
+    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(2, 1 << 30, 0))
+    if engine.lm.fast_linears.kernel != "packed":
+        pytest.skip("this torch build has no oneDNN weight prepack")
+    assert engine.lm.runner is not None and engine.lm.runner.native is lib
+    _verifies_like_plain_greedy(engine, tiny_models["llama-target"])

@@ -212,3 +212,41 @@ def test_exp_is_accurate_over_softmax_inputs(native):
     assert torch.allclose(out[0], want, rtol=1e-5, atol=1e-30)
     assert math.isclose(float(out.sum()), 1.0, rel_tol=1e-6)
     assert os.path.exists(native_mod.kernels().path)
+
+
+_ISA_SCRIPT = """
+import sys, torch
+from specdec.native import kernels
+k = kernels()
+gen = torch.Generator().manual_seed(7)
+w, x = torch.randn(200, 72, generator=gen), torch.randn(9, 72, generator=gen)
+b = torch.randn(200, generator=gen)
+y = k.linear(x, k.pack_linear(w), 200, b)
+rows = torch.cat([k.linear(x[i:i + 1].contiguous(), k.pack_linear(w), 200, b) for i in range(9)])
+assert torch.equal(y, rows), "rows differ"
+torch.save(y, sys.argv[1])
+print(k.isa)
+"""
+
+
+def test_linears_on_every_instruction_set_agree(tmp_path):
+    """The linears' AVX2 path (the one a CPU without AVX-512 runs) sums each output in the order
+    the AVX-512 path does: the same bits; the baseline (no FMA) rounds differently, to 1e-5. Each
+    is row-independent. SPECDEC_NATIVE_ISA caps the instruction set, in a process of its own."""
+    import subprocess
+    import sys
+
+    got = {}
+    for cap in ("avx512", "avx2", "baseline"):
+        out = tmp_path / f"{cap}.pt"
+        env = {**os.environ, "SPECDEC_NATIVE_ISA": cap}
+        done = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(out)], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        got[done.stdout.split()[-1]] = torch.load(out)
+    assert "baseline" in got  # the cap always reaches the baseline
+    if "avx512" in got and "avx2" in got:
+        assert torch.equal(got["avx512"], got["avx2"])
+    fast = got.get("avx512", got.get("avx2"))
+    if fast is not None:
+        assert torch.allclose(fast, got["baseline"], rtol=1e-5, atol=1e-5)

@@ -130,6 +130,9 @@ class Kernels:
         self._linear = lib.sd_linear
         self._linear.argtypes = [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int, _P]
         self._linear.restype = None
+        isa = lib.sd_linear_isa
+        isa.restype = ctypes.c_char_p
+        self.isa: str = isa().decode()  # the linears' instruction set: avx512, avx2 or baseline
         self._attention = lib.sd_attention
         self._attention.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _I]
         self._attention.restype = ctypes.c_int

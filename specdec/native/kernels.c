@@ -404,51 +404,106 @@ INLINE void store_panel(const linear_args *a, int64_t row, int64_t p, v16 acc) {
     else memcpy(out, &v, valid * sizeof(float));
 }
 
-INLINE void linear_tile(const linear_args *a, int64_t m0, int64_t p0, const int rows, const int panels) {
-    v16 acc[ROWS][PANELS];
-    const int64_t k = a->k;
-    const float *x = a->x + m0 * k;
-    const float *w0 = a->panels + p0 * k * PANEL;
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < panels; b++) acc[r][b] = splat(0.0f);
-    for (int64_t kk = 0; kk < k; kk++) {
-        v16 w[PANELS];
-        for (int b = 0; b < panels; b++) w[b] = load16(w0 + (b * k + kk) * PANEL);
-        for (int r = 0; r < rows; r++) {
-            float xs = x[r * k + kk];
-            v16 xv = {xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs, xs};
-            for (int b = 0; b < panels; b++) acc[r][b] += xv * w[b];
-        }
+/* One tile: `rows` rows against `panels` panels, each panel held as 16 / W vectors of W floats
+ * (W = 16 with AVX-512; 8 with AVX2, whose 16 registers hold a 4 x 2 tile of 8-float vectors).
+ * Every lane is one output summed over k in order, so both widths compute the same bits. */
+#define LINEAR_TILE(NAME, VEC, W, MAXP, BCAST)                                                      \
+    INLINE void NAME(const linear_args *a, int64_t m0, int64_t p0, const int rows, const int panels) { \
+        enum { PER = PANEL / W };                                                                   \
+        VEC acc[ROWS][MAXP * PER];                                                                  \
+        const int64_t k = a->k;                                                                     \
+        const float *x = a->x + m0 * k;                                                             \
+        const float *w0 = a->panels + p0 * k * PANEL;                                               \
+        for (int r = 0; r < rows; r++)                                                              \
+            for (int b = 0; b < panels * PER; b++) acc[r][b] = (VEC){0};                            \
+        for (int64_t kk = 0; kk < k; kk++) {                                                        \
+            VEC w[MAXP * PER];                                                                      \
+            for (int b = 0; b < panels; b++)                                                        \
+                for (int h = 0; h < PER; h++) memcpy(&w[b * PER + h], w0 + (b * k + kk) * PANEL + h * W, sizeof(VEC)); \
+            for (int r = 0; r < rows; r++) {                                                        \
+                float xs = x[r * k + kk];                                                           \
+                VEC xv = BCAST(xs);                                                                 \
+                for (int b = 0; b < panels * PER; b++) acc[r][b] += xv * w[b];                      \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < rows; r++)                                                              \
+            for (int b = 0; b < panels; b++) {                                                      \
+                /* through a copy: taking acc's address would keep it out of registers */          \
+                float buf[PANEL];                                                                   \
+                for (int h = 0; h < PER; h++) {                                                     \
+                    VEC v = acc[r][b * PER + h];                                                    \
+                    memcpy(buf + h * W, &v, sizeof v);                                              \
+                }                                                                                   \
+                store_panel(a, m0 + r, p0 + b, load16(buf));                                        \
+            }                                                                                       \
     }
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < panels; b++) store_panel(a, m0 + r, p0 + b, acc[r][b]);
-}
 
-#define TILE_ROWS(a, m0, p, rows, panels)                                  \
+typedef float v8 __attribute__((vector_size(32)));
+#define BCAST16(f) ((v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f})
+#define BCAST8(f) ((v8){f, f, f, f, f, f, f, f})
+LINEAR_TILE(tile16, v16, 16, PANELS, BCAST16)
+LINEAR_TILE(tile8, v8, 8, 1, BCAST8)
+
+#define TILE_ROWS(TILE, a, m0, p, rows, panels)                            \
     switch (rows) {                                                          \
-    case 4: linear_tile(a, m0, p, 4, panels); break;                         \
-    case 3: linear_tile(a, m0, p, 3, panels); break;                         \
-    case 2: linear_tile(a, m0, p, 2, panels); break;                         \
-    default: linear_tile(a, m0, p, 1, panels); break;                        \
+    case 4: TILE(a, m0, p, 4, panels); break;                                \
+    case 3: TILE(a, m0, p, 3, panels); break;                                \
+    case 2: TILE(a, m0, p, 2, panels); break;                                \
+    default: TILE(a, m0, p, 1, panels); break;                               \
     }
 
-CLONES static void linear_panels(const linear_args *a, int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1;) {
-        int whole = p + PANELS <= p1;
-        for (int64_t m0 = 0; m0 < a->m; m0 += ROWS) {
-            int rows = a->m - m0 < ROWS ? (int)(a->m - m0) : ROWS;
-            if (whole) {
-                TILE_ROWS(a, m0, p, rows, PANELS)
-            } else {
-                TILE_ROWS(a, m0, p, rows, 1)
-            }
-        }
-        p += whole ? PANELS : 1;
+/* Panels [p0, p1) for every row: `step` panels a tile (the last ones one at a time). */
+#define LINEAR_PANELS(NAME, TILE, STEP)                                                      \
+    static void NAME(const linear_args *a, int64_t p0, int64_t p1) {                          \
+        for (int64_t p = p0; p < p1;) {                                                       \
+            int whole = p + STEP <= p1;                                                        \
+            for (int64_t m0 = 0; m0 < a->m; m0 += ROWS) {                                      \
+                int rows = a->m - m0 < ROWS ? (int)(a->m - m0) : ROWS;                         \
+                if (whole) {                                                                   \
+                    TILE_ROWS(TILE, a, m0, p, rows, STEP)                                      \
+                } else {                                                                       \
+                    TILE_ROWS(TILE, a, m0, p, rows, 1)                                         \
+                }                                                                              \
+            }                                                                                  \
+            p += whole ? STEP : 1;                                                             \
+        }                                                                                      \
     }
+
+/* The instruction set is chosen once, at the first call: AVX-512 (4 rows x 4 panels a tile),
+ * AVX2 + FMA (4 rows x 1 panel), else the baseline (no FMA: other roundings, the same order). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("avx512f"))) LINEAR_PANELS(linear_panels_avx512, tile16, PANELS)
+__attribute__((target("arch=x86-64-v3"))) LINEAR_PANELS(linear_panels_avx2, tile8, 1)
+LINEAR_PANELS(linear_panels_base, tile8, 1)
+typedef void (*panels_fn)(const linear_args *, int64_t, int64_t);
+static panels_fn pick_panels(void) {
+    /* SPECDEC_NATIVE_ISA=avx2|baseline: at most that (for tests and comparisons) */
+    const char *cap = getenv("SPECDEC_NATIVE_ISA");
+    int avx512 = !cap || !strcmp(cap, "avx512"), avx2 = avx512 || !strcmp(cap, "avx2");
+    __builtin_cpu_init();
+    if (avx512 && __builtin_cpu_supports("avx512f")) return linear_panels_avx512;
+    if (avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return linear_panels_avx2;
+    return linear_panels_base;
+}
+#else
+LINEAR_PANELS(linear_panels_base, tile8, 1)
+typedef void (*panels_fn)(const linear_args *, int64_t, int64_t);
+static panels_fn pick_panels(void) { return linear_panels_base; }
+#endif
+
+const char *sd_linear_isa(void) {
+    panels_fn f = pick_panels();
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    if (f == linear_panels_avx512) return "avx512";
+    if (f == linear_panels_avx2) return "avx2";
+#endif
+    return f == linear_panels_base ? "baseline" : "?";
 }
 
 void sd_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_t n, const float *bias,
                const float *residual, int act, float *y) {
+    static panels_fn run = NULL;
+    if (!run) run = pick_panels(); /* the same answer on every thread: a benign race */
     linear_args a = {x, panels, bias, residual, y, m, k, n, act};
     int64_t np = (n + PANEL - 1) / PANEL;
 #pragma omp parallel if (m * n * k >= (1 << 15))
@@ -459,6 +514,6 @@ void sd_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_
         int64_t p0 = t * per, p1 = t == nt - 1 ? np : p0 + per;
         if (p0 > np) p0 = np;
         if (p1 > np) p1 = np;
-        if (p0 < p1) linear_panels(&a, p0, p1);
+        if (p0 < p1) run(&a, p0, p1);
     }
 }
