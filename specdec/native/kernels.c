@@ -351,14 +351,13 @@ int sd_attention(float *qkv, int64_t stride, int64_t q_off, int64_t k_off, int64
  * panels of 16 output columns, each K x 16 floats laid out k-major (the last panel zero-padded),
  * so a pass streams every weight exactly once, sequentially, whatever M. Each output (m, n) is one
  * vector lane summed over k = 0 .. K-1 in order: the same additions for a row alone or among any
- * other rows, on any thread (the contract above). Rows are taken 4 at a time against 4 panels
- * (16 accumulators), so the weights read serve 4 rows; a lone row still streams them at memory
- * speed. Threads split the panels.
+ * other rows, on any thread (the contract above). Rows are taken 6 at a time against 4 panels
+ * (24 accumulators with AVX-512), so the weights read serve 6 rows; a lone row still streams them
+ * at memory speed. Threads split the panels.
  */
 
 #define PANEL 16
 #define PANELS 4 /* panels per tile */
-#define ROWS 4   /* rows per tile */
 
 void sd_pack_linear(const float *w, int64_t n, int64_t k, float *panels) {
     int64_t np = (n + PANEL - 1) / PANEL;
@@ -407,10 +406,10 @@ INLINE void store_panel(const linear_args *a, int64_t row, int64_t p, v16 acc) {
 /* One tile: `rows` rows against `panels` panels, each panel held as 16 / W vectors of W floats
  * (W = 16 with AVX-512; 8 with AVX2, whose 16 registers hold a 4 x 2 tile of 8-float vectors).
  * Every lane is one output summed over k in order, so both widths compute the same bits. */
-#define LINEAR_TILE(NAME, VEC, W, MAXP, BCAST)                                                      \
+#define LINEAR_TILE(NAME, VEC, W, MAXR, MAXP, BCAST)                                                \
     INLINE void NAME(const linear_args *a, int64_t m0, int64_t p0, const int rows, const int panels) { \
         enum { PER = PANEL / W };                                                                   \
-        VEC acc[ROWS][MAXP * PER];                                                                  \
+        VEC acc[MAXR][MAXP * PER];                                                                  \
         const int64_t k = a->k;                                                                     \
         const float *x = a->x + m0 * k;                                                             \
         const float *w0 = a->panels + p0 * k * PANEL;                                               \
@@ -441,24 +440,26 @@ INLINE void store_panel(const linear_args *a, int64_t row, int64_t p, v16 acc) {
 typedef float v8 __attribute__((vector_size(32)));
 #define BCAST16(f) ((v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f})
 #define BCAST8(f) ((v8){f, f, f, f, f, f, f, f})
-LINEAR_TILE(tile16, v16, 16, PANELS, BCAST16)
-LINEAR_TILE(tile8, v8, 8, 1, BCAST8)
+LINEAR_TILE(tile16, v16, 16, 6, PANELS, BCAST16)
+LINEAR_TILE(tile8, v8, 8, 4, 1, BCAST8)
 
 #define TILE_ROWS(TILE, a, m0, p, rows, panels)                            \
     switch (rows) {                                                          \
+    case 6: TILE(a, m0, p, 6, panels); break;                                \
+    case 5: TILE(a, m0, p, 5, panels); break;                                \
     case 4: TILE(a, m0, p, 4, panels); break;                                \
     case 3: TILE(a, m0, p, 3, panels); break;                                \
     case 2: TILE(a, m0, p, 2, panels); break;                                \
     default: TILE(a, m0, p, 1, panels); break;                               \
     }
 
-/* Panels [p0, p1) for every row: `step` panels a tile (the last ones one at a time). */
-#define LINEAR_PANELS(NAME, TILE, STEP)                                                      \
+/* Panels [p0, p1) for every row: TILE_R rows by STEP panels a tile (the last panels one at a time). */
+#define LINEAR_PANELS(NAME, TILE, TILE_R, STEP)                                              \
     static void NAME(const linear_args *a, int64_t p0, int64_t p1) {                          \
         for (int64_t p = p0; p < p1;) {                                                       \
             int whole = p + STEP <= p1;                                                        \
-            for (int64_t m0 = 0; m0 < a->m; m0 += ROWS) {                                      \
-                int rows = a->m - m0 < ROWS ? (int)(a->m - m0) : ROWS;                         \
+            for (int64_t m0 = 0; m0 < a->m; m0 += TILE_R) {                                    \
+                int rows = a->m - m0 < TILE_R ? (int)(a->m - m0) : TILE_R;                     \
                 if (whole) {                                                                   \
                     TILE_ROWS(TILE, a, m0, p, rows, STEP)                                      \
                 } else {                                                                       \
@@ -469,12 +470,12 @@ LINEAR_TILE(tile8, v8, 8, 1, BCAST8)
         }                                                                                      \
     }
 
-/* The instruction set is chosen once, at the first call: AVX-512 (4 rows x 4 panels a tile),
+/* The instruction set is chosen once, at the first call: AVX-512 (6 rows x 4 panels a tile),
  * AVX2 + FMA (4 rows x 1 panel), else the baseline (no FMA: other roundings, the same order). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target("avx512f"))) LINEAR_PANELS(linear_panels_avx512, tile16, PANELS)
-__attribute__((target("arch=x86-64-v3"))) LINEAR_PANELS(linear_panels_avx2, tile8, 1)
-LINEAR_PANELS(linear_panels_base, tile8, 1)
+__attribute__((target("avx512f"))) LINEAR_PANELS(linear_panels_avx512, tile16, 6, PANELS)
+__attribute__((target("arch=x86-64-v3"))) LINEAR_PANELS(linear_panels_avx2, tile8, 4, 1)
+LINEAR_PANELS(linear_panels_base, tile8, 4, 1)
 typedef void (*panels_fn)(const linear_args *, int64_t, int64_t);
 static panels_fn pick_panels(void) {
     /* SPECDEC_NATIVE_ISA=avx2|baseline: at most that (for tests and comparisons) */
@@ -486,7 +487,7 @@ static panels_fn pick_panels(void) {
     return linear_panels_base;
 }
 #else
-LINEAR_PANELS(linear_panels_base, tile8, 1)
+LINEAR_PANELS(linear_panels_base, tile8, 4, 1)
 typedef void (*panels_fn)(const linear_args *, int64_t, int64_t);
 static panels_fn pick_panels(void) { return linear_panels_base; }
 #endif
