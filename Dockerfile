@@ -42,7 +42,7 @@ FROM llamacpp-cuda AS llamacpp-cu129
 FROM llamacpp-${TORCH_VARIANT} AS llamacpp
 
 FROM ${PYTHON_IMAGE} AS deps
-# Keep TORCH_VERSION equal to the torch pin in pyproject.toml (tests/test_containers.py checks).
+# Keep TORCH_VERSION equal to the torch pin in pyproject.toml (tests/service/test_containers.py checks).
 ARG TORCH_VERSION=2.13.0
 # cpu, or a CUDA variant of the PyTorch index (cu126, cu128, cu129); the CUDA wheels bring their
 # own CUDA runtime, so the slim base works on a host with the NVIDIA container toolkit.

@@ -15,7 +15,7 @@ set -euo pipefail
 VERSION=0.3.36  # the same as scripts/install_llamacpp.sh
 
 ggml_flags() {
-  # The same choice as scripts/install_llamacpp.sh (tests/test_peer.py runs both and compares):
+  # The same choice as scripts/install_llamacpp.sh (tests/unit/test_peer.py runs both and compares):
   # no native detection and no AMX (its code paths segfault on these machines), AVX-512 only
   # with the full set of extensions llama.cpp's AVX-512 kernels use.
   local flags="-DGGML_NATIVE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"

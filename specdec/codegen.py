@@ -1,6 +1,6 @@
 """Regenerate the protobuf/gRPC stubs from proto/: ``python -m specdec.codegen [--out DIR]``.
 
-The stubs are committed (so the services run without a build step); tests/test_proto.py
+The stubs are committed (so the services run without a build step); tests/unit/test_proto.py
 regenerates them into a temporary folder and fails when the committed copies are stale.
 """
 

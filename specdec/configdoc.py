@@ -1,7 +1,7 @@
 """``python -m specdec.configdoc [-o docs/configuration.md]``: the configuration reference.
 
 Renders one table per process (every variable, its default and meaning) straight from the
-pydantic-settings classes, so the reference cannot drift from the code: tests/test_config_docs.py
+pydantic-settings classes, so the reference cannot drift from the code: tests/unit/test_config_docs.py
 fails when docs/configuration.md differs from this output. Defaults computed at run time (the
 cache folder) are described, never evaluated, so the output is the same on every machine.
 """
@@ -148,7 +148,7 @@ def render() -> str:
         "# Configuration reference",
         "",
         f"Generated from the pydantic-settings classes; do not edit by hand. Regenerate with `{REGENERATE}`",
-        "(tests/test_config_docs.py fails when this file is stale).",
+        "(tests/unit/test_config_docs.py fails when this file is stale).",
         "",
         "Every process reads its settings from environment variables with its own prefix; the model",
         "services and the orchestrator also take each one as a command-line flag named after the field",

@@ -17,7 +17,7 @@ ever copying a session's keys and values into a padded batch:
   the packed rows of every segment.
 
 Every tensor a batch creates (masks, indices) is created on its KV buffers' device: a mask built
-on the CPU beside CUDA keys fails the first multi-row pass (tests/test_device.py runs the whole
+on the CPU beside CUDA keys fails the first multi-row pass (tests/unit/test_device.py runs the whole
 forward on PyTorch's ``meta`` device to catch that on machines without a GPU).
 
 Linear layers sum a row's dot products the same way whatever the other rows are only up to the

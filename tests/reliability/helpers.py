@@ -1,5 +1,6 @@
-"""What the reliability tests share: reading the services' state over gRPC and /proc, restarting a
-service on its port, timed HTTP/SSE requests, and the JSON reports under the artifacts folder."""
+"""What the reliability tests share beyond tests/support.py (which starts and restarts the services):
+reading the services' state over gRPC and /proc, timed HTTP/SSE requests, and the JSON reports
+under the artifacts folder."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import httpx
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from tests.conftest import ROOT, Proc, free_port, wait_grpc
-from tests.test_orchestrator import iter_sse
+from tests.support import ROOT, iter_sse
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +67,6 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def start_service_on(kind: str, port: int, log_dir: Path, name: str, env: dict[str, str] | None = None) -> Proc:
-    """Start ``draft_service`` or ``target_service`` on a given port (a restart keeps its address)."""
-    prefix = "SPECDEC_DRAFT_" if kind == "draft" else "SPECDEC_TARGET_"
-    proc = Proc(name, f"{kind}_service", {prefix + "PORT": str(port), prefix + "HOST": "127.0.0.1",
-                                          prefix + "METRICS_PORT": str(free_port()), **(env or {})}, log_dir)
-    wait_grpc(port, proc)
-    return proc
 
 
 # ---- HTTP -----------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.conftest import start_model_service, start_orchestrator
+from tests.support import start_model_service, start_orchestrator
 
 pytestmark = [pytest.mark.reliability, pytest.mark.embedded]
 

@@ -136,7 +136,7 @@ def test_stall_cuts_mid_message_and_resumes(proxy):
 
 
 def test_upstream_down_closes_the_client(echo_port):
-    from tests.conftest import free_port
+    from tests.support import free_port
 
     with FaultProxy(free_port(), name="nowhere") as p:
         try:

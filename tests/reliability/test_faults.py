@@ -25,9 +25,8 @@ import httpx
 import pytest
 
 from evaluation.faultproxy import FaultProxy
-from tests.conftest import Proc, free_port, start_orchestrator
-from tests.reliability.helpers import Outcome, post, start_service_on, stream, summarize, write_report
-from tests.test_orchestrator import PROMPTS
+from tests.reliability.helpers import Outcome, post, stream, summarize, write_report
+from tests.support import PROMPTS, Proc, free_port, start_model_service, start_orchestrator
 
 pytestmark = [pytest.mark.reliability, pytest.mark.embedded]
 
@@ -61,7 +60,7 @@ class FaultStack:
         """Start ``kind`` again on its port (after it died); returns when it serves."""
         self.restarts += 1
         port = self.draft_port if kind == "draft" else self.target_port
-        proc = start_service_on(kind, port, self.log_dir, f"{kind}-{self.restarts}")
+        proc, _ = start_model_service(kind, self.log_dir, port=port, name=f"{kind}-{self.restarts}")
         setattr(self, kind, proc)
         return time.monotonic()
 
@@ -101,8 +100,8 @@ def stack(tmp_path_factory):
     links: list[FaultProxy] = []
     s: FaultStack | None = None
     try:
-        procs.append(start_service_on("draft", draft_port, log_dir, "draft-0"))
-        procs.append(start_service_on("target", target_port, log_dir, "target-0"))
+        procs.append(start_model_service("draft", log_dir, port=draft_port, name="draft-0")[0])
+        procs.append(start_model_service("target", log_dir, port=target_port, name="target-0")[0])
         links += [FaultProxy(draft_port, name="draft-link").start(), FaultProxy(target_port, name="target-link").start()]
         orch, url = start_orchestrator(links[0].port, links[1].port, log_dir, env={
             "SPECDEC_ORCHESTRATOR_DRAFT_TIMEOUT_S": str(DRAFT_TIMEOUT_S),

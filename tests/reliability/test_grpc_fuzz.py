@@ -24,8 +24,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specdec.v1 import specdec_pb2 as pb
-from tests.conftest import start_model_service
 from tests.reliability.helpers import env_int, service_info, summarize, write_report
+from tests.support import start_model_service
 
 pytestmark = [pytest.mark.reliability, pytest.mark.embedded]
 

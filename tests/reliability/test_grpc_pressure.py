@@ -22,8 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from tests.conftest import start_model_service, start_orchestrator
 from tests.reliability.helpers import post, summarize, write_report
+from tests.support import start_model_service, start_orchestrator
 
 pytestmark = [pytest.mark.reliability, pytest.mark.embedded]
 

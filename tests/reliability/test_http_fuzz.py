@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.conftest import start_orchestrator
 from tests.reliability.helpers import env_int, summarize, write_report
+from tests.support import start_orchestrator
 
 logger = logging.getLogger(__name__)
 

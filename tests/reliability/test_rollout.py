@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from specdec.models import load_tokenizer
-from tests.conftest import free_port, make_gpt2, start_model_service, start_orchestrator
-from tests.reliability.helpers import post, service_info, start_service_on, stream, summarize, write_report
+from tests.reliability.helpers import post, service_info, stream, summarize, write_report
+from tests.support import free_port, make_gpt2, start_model_service, start_orchestrator
 
 pytestmark = pytest.mark.reliability
 
@@ -46,7 +46,8 @@ def test_a_replica_swapped_for_another_model_never_changes_an_output(models, tmp
     try:
         procs["t1"], p1 = start_model_service("target", tmp_path, {"SPECDEC_TARGET_MODEL": models["pool"]})
         p2 = free_port()
-        procs["t2"] = start_service_on("target", p2, tmp_path, "target-2", {"SPECDEC_TARGET_MODEL": models["pool"]})
+        procs["t2"], _ = start_model_service("target", tmp_path, {"SPECDEC_TARGET_MODEL": models["pool"]}, port=p2,
+                                             name="target-2")
         procs["orch"], url = start_orchestrator(free_port(), 0, tmp_path, {
             "SPECDEC_ORCHESTRATOR_TARGET_ADDRESS": f"127.0.0.1:{p1},127.0.0.1:{p2}"}, wait_ready=False)
         deadline = time.monotonic() + 60
@@ -77,7 +78,8 @@ def test_a_replica_swapped_for_another_model_never_changes_an_output(models, tmp
             futures = [pool.submit(client, i) for i in range(CLIENTS)]
             t0 = time.monotonic()
             procs["t2"].stop()  # the rollout takes replica 2 down ...
-            procs["t2"] = start_service_on("target", p2, tmp_path, "target-2-other", {"SPECDEC_TARGET_MODEL": models["other"]})
+            procs["t2"], _ = start_model_service("target", tmp_path, {"SPECDEC_TARGET_MODEL": models["other"]}, port=p2,
+                                                 name="target-2-other")
             served_at = time.monotonic() - t0  # ... and brings it back serving another model
             seen_at = None
             while seen_at is None and time.monotonic() - t0 < 60:

@@ -25,9 +25,8 @@ import httpx
 import pytest
 from scipy.stats import chi2_contingency
 
-from tests.conftest import running_stack
 from tests.reliability.helpers import env_int, write_report
-from tests.test_orchestrator import iter_sse
+from tests.support import iter_sse, running_stack
 
 pytestmark = [pytest.mark.reliability, pytest.mark.embedded]
 

@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import running_stack
 from tests.reliability.helpers import metric, silent_stream, summarize, wait_released, write_report
+from tests.support import running_stack
 
 pytestmark = [pytest.mark.reliability, pytest.mark.embedded]
 

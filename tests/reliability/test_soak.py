@@ -22,9 +22,8 @@ import httpx
 import pytest
 
 from evaluation.stats import percentile
-from tests.conftest import running_stack
 from tests.reliability.helpers import env_float, env_int, rss_kib, summarize, wait_released, write_report
-from tests.test_orchestrator import PROMPTS, iter_sse
+from tests.support import PROMPTS, iter_sse, running_stack
 
 logger = logging.getLogger(__name__)
 

@@ -18,18 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import make_gpt2, start_model_service, start_orchestrator
 from tests.reliability.helpers import (
     metric,
     post,
     rss_kib,
     silent_stream,
-    start_service_on,
     stream,
     summarize,
     wait_released,
     write_report,
 )
+from tests.support import make_gpt2, start_model_service, start_orchestrator
 
 pytestmark = pytest.mark.reliability
 
@@ -226,8 +225,8 @@ def test_the_draft_killed_under_load_leaves_ready_200_degraded(services):
                 time.sleep(0.2)
             outcomes = [f.result() for f in futures]
         degraded_at = next((t for t, status, why in readings if status == 200 and why), None)
-        services["procs"]["draft"] = start_service_on("draft", services["ports"]["draft"], services["log_dir"],
-                                                      "draft-restarted", services["draft_env"])
+        services["procs"]["draft"], _ = start_model_service("draft", services["log_dir"], services["draft_env"],
+                                                             port=services["ports"]["draft"], name="draft-restarted")
         t_back = time.monotonic()
         while httpx.get(f"{url}/ready", timeout=10).json().get("degraded", ""):
             assert time.monotonic() - t_back < 15, "the draft was not connected again within 15 s"

@@ -36,7 +36,7 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from target_service.engine import TargetEngine
 from target_service.servicer import build_server as build_target
 from target_service.settings import TargetSettings
-from tests.conftest import Proc, free_port, start_orchestrator
+from tests.support import ROOT, Proc, free_port, start_orchestrator
 
 KEYS = ["sk-alpha-0123456789", "sk-beta-9876543210"]
 TOKEN = "grpc-token-for-tests"
@@ -112,7 +112,7 @@ def test_every_process_binds_loopback_by_default():
     assert OrchestratorSettings.model_fields["host"].default == "127.0.0.1"
     cmd = command(UISettings())
     assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"
-    dockerfile = (Path(__file__).resolve().parent.parent / "Dockerfile").read_text()
+    dockerfile = (ROOT / "Dockerfile").read_text()
     for process in ("DRAFT", "TARGET", "ORCHESTRATOR", "UI"):  # containers must listen on their own interface
         assert f"SPECDEC_{process}_HOST=0.0.0.0" in dockerfile
 
@@ -453,7 +453,7 @@ def test_server_security_from_settings(serve, certs, tmp_path):
 # ---- the whole stack through API keys, tokens and mutual TLS -----------------------------------
 
 def _start_secure_service(kind: str, env: dict[str, str], log_dir: Path, security: ChannelSecurity) -> tuple[Proc, int]:
-    """Like tests.conftest.start_model_service, but waits over TLS (its health check is plaintext)."""
+    """Like tests.support.start_model_service, but waits over TLS (its health check is plaintext)."""
     port = free_port()
     prefix = f"SPECDEC_{kind.upper()}_"
     proc = Proc(kind, f"{kind}_service", {prefix + "PORT": str(port), prefix + "HOST": "127.0.0.1",

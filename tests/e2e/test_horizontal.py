@@ -11,10 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import start_orchestrator
-from tests.lb import RoundRobinBalancer
-from tests.test_orchestrator import PROMPTS, gen, iter_sse
-from tests.test_ui_app import APP, messages, metrics, stream_html, submit
+from tests.e2e.lb import RoundRobinBalancer
+from tests.support import APP, PROMPTS, gen, iter_sse, messages, metrics, start_orchestrator, stream_html, submit
 
 pytestmark = pytest.mark.embedded
 

@@ -15,8 +15,7 @@ from orchestrator.app import create_app
 from orchestrator.server_stats import RollingRates, ServiceProbe, Window, orchestrator_view, service_view
 from orchestrator.settings import OrchestratorSettings
 from specdec.v1 import specdec_pb2 as pb
-from tests.conftest import free_port, start_model_service, start_orchestrator
-from tests.test_ui_app import APP, FakeOrchestrator, messages
+from tests.support import APP, FakeOrchestrator, free_port, messages, start_model_service, start_orchestrator
 from ui import server_view as sv
 
 # ---- RollingRates --------------------------------------------------------------------------------

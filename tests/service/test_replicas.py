@@ -20,8 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from orchestrator.replicas import Replicas, TargetPool, parse_addresses, rendezvous_rank, unavailable
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from tests.conftest import start_model_service, start_orchestrator
-from tests.test_orchestrator import gen, iter_sse
+from tests.support import gen, iter_sse, start_model_service, start_orchestrator
 
 
 def test_parse_addresses():

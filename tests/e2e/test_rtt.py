@@ -24,7 +24,7 @@ from evaluation.rtt import (
     service_env,
     summarise,
 )
-from tests.conftest import make_gpt2
+from tests.support import make_gpt2
 
 # ---- argument parsing -------------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from specdec import configdoc, launch
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "configuration.md"
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from specdec.errors import NotFound
 from specdec.models import load_hf
-from tests.conftest import make_gpt2
+from tests.support import make_gpt2
 
 
 def test_pickled_weights_are_refused_with_a_way_out(tmp_path):

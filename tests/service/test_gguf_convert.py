@@ -18,8 +18,8 @@ from specdec import gguf_convert
 from specdec.errors import NotFound
 from specdec.gguf_convert import ConversionError, draft_gguf, ensure_gguf
 from specdec.models import embedded_gguf_path, gguf_tokenizer_fingerprint, load_tokenizer, tokenizer_fingerprint
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 49152  # the embedded tokenizer's
 
 
@@ -222,7 +222,7 @@ def test_self_speculation_stack_keeps_the_output(tmp_path):
     is plain greedy decoding's, token for token, and most drafted tokens are accepted."""
     import httpx
 
-    from tests.conftest import start_model_service, start_orchestrator
+    from tests.support import start_model_service, start_orchestrator
 
     procs = []
     try:

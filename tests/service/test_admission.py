@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from orchestrator.app import create_app
 from orchestrator.settings import OrchestratorSettings
-from tests.conftest import free_port
+from tests.support import free_port
 
 
 class SlowTokenizer:

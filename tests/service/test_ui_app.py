@@ -3,154 +3,28 @@ functions behind it (ui.render, ui.client)."""
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import free_port, step_json
+from tests.support import (
+    IDS,
+    INFO_MODEL,
+    SPECULATIVE,
+    TEXTS,
+    FakeOrchestrator,
+    app,
+    done,
+    free_port,
+    messages,
+    metrics,
+    stats,
+    step,
+    stream_html,
+    submit,
+)
 from ui import render
 from ui.client import OrchestratorClient, Rejected, StreamFailed, Unreachable, describe_detail, parse_sse
-
-APP = str(Path(__file__).resolve().parent.parent / "ui" / "app.py")
-
-# ---- canned events -------------------------------------------------------------------------------
-
-TEXTS = {10: " The", 11: " cat", 12: " <b>&", 13: " x", 20: " dog", 21: " ran", 22: " off", 23: " to",
-         24: " the", 25: " y", 26: " z", 30: " park", 31: " zoo"}
-
-
-def step(index: int, k: int, draft: list[int], accepted: int, next_token: int, kind: str,
-         tokens: list[int] | None = None) -> dict[str, Any]:
-    tokens = tokens if tokens is not None else draft[:accepted] + [next_token]
-    return step_json(
-        draft, accepted, next_token, kind, index=index, k=k,
-        draft_confidences=[0.9 - 0.1 * i for i in range(len(draft))],
-        target_probs=[0.8 if i < accepted else 0.05 for i in range(len(draft))], tokens=tokens,
-        text="".join(TEXTS[t] for t in tokens), draft_ms=4.0 * len(draft), verify_ms=20.0,
-        draft_compute_ms=3.0 * len(draft), verify_compute_ms=18.0, overhead_ms=1.0,
-        token_texts=[TEXTS[t] for t in draft], next_token_text=TEXTS[next_token],
-    )
-
-
-SPECULATIVE = [
-    step(0, 4, [10, 11, 12, 13], 2, 20, "correction"),  # two accepted, two rejected, a correction
-    step(1, 3, [21, 22, 23], 3, 24, "bonus"),  # all accepted, a bonus token
-    step(2, 4, [25, 26], 0, 30, "correction"),  # the draft stopped early; nothing accepted
-]
-IDS = [10, 11, 20, 21, 22, 23, 24, 30]
-
-
-def stats(tokens: int, iterations: int, drafted: int, accepted: int, tps: float) -> dict[str, Any]:
-    return {"tokens": tokens, "iterations": iterations, "draft_tokens": drafted, "accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_per_iteration": accepted / iterations, "mean_tokens_per_iteration": tokens / iterations,
-            "tokens_per_second": tps, "elapsed_ms": 1e3 * tokens / tps, "first_token_ms": 30.0,
-            "draft_ms": 36.0, "verify_ms": 60.0, "overhead_ms": 3.0, "draft_compute_ms": 27.0,
-            "verify_compute_ms": 54.0, "rpc_overhead_ms": 15.0, "draft_fallbacks": 0}
-
-
-def done(ids: list[int], mode: str, st: dict[str, Any]) -> dict[str, Any]:
-    return {"text": "".join(TEXTS[t] for t in ids), "token_ids": ids, "finish_reason": "length", "prompt_tokens": 5,
-            "mode": mode, "controller": "cost", "stats": st}
-
-
-def sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\r\ndata: {json.dumps(data)}\r\n\r\n".encode()
-
-
-INFO_MODEL = {"model_id": "/cache/SmolLM2-135M-Instruct", "backend": "transformers", "dtype": "float32",
-              "device": "cpu", "vocab_size": 49152, "max_context": 8192, "sessions": 1, "kv_bytes": 2 << 20,
-              "tokenizer_fingerprint": "abc"}
-DEFAULTS = {"controller": "cost", "k": 4, "max_k": 8, "confidence_threshold": 0.3, "max_tokens": 128,
-            "max_tokens_limit": 4096}
-
-
-class FakeOrchestrator:
-    """The orchestrator's HTTP surface with canned answers; ``mode`` picks the behaviour."""
-
-    def __init__(self) -> None:
-        self.mode = "ok"  # ok | not_ready | bad_input | bad_prompt | mid_error | draft_failing | plain_differs
-        self.requests: list[dict[str, Any]] = []
-        self.gets: list[tuple[str, str]] = []  # (path, authorization header) of every GET
-        self.server_body: dict[str, Any] | None = None  # body of /v1/server; None: 404, as an older orchestrator
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def reply(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                fake.gets.append((self.path, self.headers.get("authorization", "")))
-                ready = fake.mode != "not_ready"
-                reason = "" if ready else "target service at 127.0.0.1:1 unreachable: UNAVAILABLE"
-                if self.path == "/health":
-                    self.reply(200, {"status": "ok"})
-                elif self.path == "/ready":
-                    self.reply(200 if ready else 503, {"ready": ready, "reason": reason, "draft": INFO_MODEL,
-                                                       "target": INFO_MODEL if ready else {}})
-                elif self.path == "/v1/info":
-                    self.reply(200, {"ready": ready, "reason": reason, "draft": INFO_MODEL, "target": INFO_MODEL,
-                                     "draft_available": fake.mode != "draft_failing", "defaults": DEFAULTS,
-                                     "has_chat_template": True})
-                elif self.path == "/v1/server" and fake.server_body is not None:
-                    self.reply(200, fake.server_body)
-                else:
-                    self.reply(404, {"detail": "Not Found"})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                fake.requests.append(body)
-                if fake.mode == "not_ready":
-                    return self.reply(503, {"detail": "not ready: target service at 127.0.0.1:1 unreachable"})
-                if fake.mode == "bad_input":
-                    return self.reply(422, {"detail": [{"type": "less_than_equal", "loc": ["body", "max_tokens"],
-                                                        "msg": "Input should be less than or equal to 4096"}]})
-                if fake.mode == "bad_prompt":
-                    return self.reply(400, {"detail": "prompt: 9000 tokens, over the model's context of 8191"})
-                self.send_response(200)
-                self.send_header("content-type", "text/event-stream")
-                self.send_header("connection", "close")
-                self.end_headers()
-                if body.get("mode") == "autoregressive":
-                    ids = [31 if i == 7 and fake.mode == "plain_differs" else t for i, t in enumerate(IDS)]
-                    events = [sse("step", step(i, 0, [], 0, t, "plain")) for i, t in enumerate(ids)]
-                    events.append(sse("done", done(ids, "autoregressive", stats(8, 8, 0, 0, 20.0))))
-                elif fake.mode == "mid_error":
-                    events = [sse("step", SPECULATIVE[0]),
-                              sse("error", {"status": 503, "detail": "target service: UNAVAILABLE: gone"})]
-                else:
-                    events = [b": ping\r\n\r\n"] + [sse("step", s) for s in SPECULATIVE]
-                    events.append(sse("done", done(IDS, "speculative", stats(8, 3, 9, 5, 40.0))))
-                for chunk in events:
-                    self.wfile.write(chunk)
-                    self.wfile.flush()
-                self.close_connection = True
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> FakeOrchestrator:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -167,34 +41,6 @@ def fake(server, monkeypatch):
     server.server_body = None
     monkeypatch.setenv("SPECDEC_UI_ORCHESTRATOR_URL", server.url)
     return server
-
-
-def app():
-    from streamlit.testing.v1 import AppTest
-
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.run()
-    assert not at.exception, at.exception
-    return at
-
-
-def submit(at, prompt: str, button: str = "generate"):
-    at.text_area(key="prompt").input(prompt)
-    at.button(key=button).click().run()
-    assert not at.exception, at.exception
-    return at
-
-
-def stream_html(at) -> list[str]:
-    return [h.value for h in at.html if h.value.startswith("<div class=\"tok-stream\">")]
-
-
-def metrics(at) -> dict[str, str]:
-    return {m.label: m.value for m in at.metric}
-
-
-def messages(elements) -> str:
-    return "\n".join(e.value for e in elements)
 
 
 # ---- the page ------------------------------------------------------------------------------------

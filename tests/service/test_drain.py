@@ -12,8 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import free_port, start_model_service, start_orchestrator
-from tests.test_orchestrator import iter_sse
+from tests.support import free_port, iter_sse, start_model_service, start_orchestrator
 
 pytestmark = pytest.mark.embedded
 

@@ -30,8 +30,7 @@ from evaluation.peer import (
     run_step,
     summarise,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
 
 # ---- arguments ------------------------------------------------------------------------------------
 

@@ -41,9 +41,9 @@ from specdec import healthcheck, launch
 from specdec.auth import read_secret
 from specdec.server import create_server
 from target_service.settings import TargetSettings
+from tests.support import ROOT
 from ui.settings import UISettings
 
-ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
 COMPOSE_GRPC = ROOT / "compose.grpc.yaml"
 COMPOSE_GPU = ROOT / "compose.gpu.yaml"
@@ -632,7 +632,7 @@ def docker_ignores(path: str, patterns: list[str]) -> bool:
 def test_dockerignore_keeps_out_tests_environments_caches_and_vcs() -> None:
     patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    for path in ["tests/test_containers.py", "tests/data/compose-spec.json", ".venv/bin/python", ".git/HEAD",
+    for path in ["tests/service/test_containers.py", "tests/data/compose-spec.json", ".venv/bin/python", ".git/HEAD",
                  "specdec/__pycache__/models.cpython-311.pyc", ".pytest_cache/v/cache/lastfailed",
                  ".ruff_cache/CACHEDIR.TAG", "specdec.egg-info/PKG-INFO", ".env", "models/x/model.safetensors",
                  "evaluation/results/run.json", "docs/docker.md", "secrets/grpc-token"]:

@@ -22,7 +22,7 @@ def test_a_step_reads_the_same_in_every_consumer():
     from evaluation.bench import position_counts
     from evaluation.load import step_record
     from orchestrator.schemas import Step
-    from tests.conftest import step_json
+    from tests.support import step_json
     from ui import render
 
     data = step_json([5, 6, 7], 2, 9, index=3, k=4, tokens=[5, 6, 9], batch_sessions=2, batch_rows=9,

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, Proc, free_port, wait_http
+from tests.support import ROOT, Proc, free_port, wait_http
 
 CHROMIUM = Path("/usr/bin/chromium")
 ANSWER_TIMEOUT_MS = 180_000  # another process may be using both cores

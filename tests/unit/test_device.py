@@ -36,7 +36,7 @@ from specdec.ragged import SEGMENTS, VARLEN, RaggedBatch, Segment, SessionKV, at
 from specdec.scheduler import PENDING
 from specdec.sessions import SessionStore
 from target_service.engine import TargetEngine
-from tests.conftest import ROOT, VOCAB
+from tests.support import ROOT, VOCAB
 
 HAS_CUDA = torch.cuda.is_available()
 CUDA_ONLY = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (make test-gpu runs these on a GPU)")
@@ -306,7 +306,7 @@ def test_make_test_gpu_fails_where_there_is_no_gpu():
     """``--require-cuda`` (make test-gpu) stops the run before any test, rather than passing by
     skipping every cuda test."""
     done = subprocess.run([sys.executable, "-m", "pytest", "--require-cuda", "-m", "cuda", "--collect-only", "-q",
-                           "tests/test_device.py"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           "tests/unit/test_device.py"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == pytest.ExitCode.USAGE_ERROR
     assert "no CUDA device" in done.stdout + done.stderr

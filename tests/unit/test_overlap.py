@@ -20,8 +20,7 @@ from specdec.models import load_hf
 from specdec.params import Sampling
 from specdec.sessions import SessionStore
 from target_service.engine import TargetEngine
-from tests.conftest import greedy_reference
-from tests.test_hardening import PROMPT, _EngineTarget
+from tests.support import PROMPT, EngineTarget, greedy_reference
 
 N = 24
 
@@ -79,7 +78,7 @@ class ScriptedDraft:
         return True
 
 
-class SlowTarget(_EngineTarget):
+class SlowTarget(EngineTarget):
     """The in-process engine, taking ``delay_s`` like a real forward pass (so the pre-draft overlaps it)."""
 
     def __init__(self, engine, delay_s: float = 0.02) -> None:

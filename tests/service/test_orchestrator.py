@@ -9,29 +9,9 @@ import httpx
 import pytest
 
 from orchestrator.schemas import Step
-from tests.conftest import start_model_service, start_orchestrator
+from tests.support import PROMPTS, gen, iter_sse, sse_events, start_model_service, start_orchestrator
 
 pytestmark = pytest.mark.embedded
-
-PROMPTS = [
-    "The three primary colors are",
-    "Write a haiku about autumn leaves falling in the wind.",
-    "def quicksort(arr):\n    \"\"\"Sort a list with quicksort.\"\"\"\n",
-    "Q: What is the capital of France?\nA:",
-    'Return a JSON object with the fields "name", "age" and "city" for a fictional person:\n',
-    "Summarise: The Industrial Revolution began in Britain in the late 18th century. It transformed "
-    "manufacturing through mechanisation, steam power and the factory system, and spread to Europe and "
-    "North America.\nSummary:",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "1. Apples\n2. Bananas\n3.",
-]
-
-
-def gen(url: str, **body) -> dict:
-    r = httpx.post(url + "/v1/generate", json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()
-
 
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
 def test_speculative_equals_autoregressive(embedded_stack, i):
@@ -98,23 +78,6 @@ def test_overlapped_speculation_keeps_the_output(embedded_stack, controller):
 def test_chat_messages_on_generate(embedded_stack):
     r = gen(embedded_stack["url"], messages=[{"role": "user", "content": "Say hello."}], max_tokens=16)
     assert r["text"] and r["prompt_tokens"] > 5
-
-
-def iter_sse(response: httpx.Response):
-    """(event, data) pairs of a server-sent event stream, as they arrive."""
-    event, data = None, []
-    for line in response.iter_lines():
-        if line.startswith("event:"):
-            event = line.split(":", 1)[1].strip()
-        elif line.startswith("data:"):
-            data.append(line.split(":", 1)[1].strip())
-        elif not line and data:
-            yield event or "message", json.loads("\n".join(data))
-            event, data = None, []
-
-
-def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
-    return list(iter_sse(response))
 
 
 def test_stream_reassembles_to_the_same_text(embedded_stack):
@@ -244,8 +207,8 @@ def test_health_ready_metrics(embedded_stack):
 
 
 # The two kill tests run with the reliability suite (beside tests/reliability/test_faults.py's kills
-# under load); the default suite keeps one real kill (tests/test_replicas.py) and fakes for the
-# error mapping (tests/test_overlap.py, tests/test_hardening.py).
+# under load); the default suite keeps one real kill (tests/service/test_replicas.py) and fakes for the
+# error mapping (tests/unit/test_overlap.py, tests/service/test_hardening.py).
 @pytest.mark.reliability
 def test_draft_killed_mid_request_keeps_output(tmp_path, embedded_stack):
     """A draft service that dies mid-request costs speed, not correctness: same output, 200."""
@@ -277,7 +240,7 @@ def test_draft_killed_mid_request_keeps_output(tmp_path, embedded_stack):
 
 
 def test_target_down_is_503(tmp_path, embedded_stack):
-    from tests.conftest import free_port
+    from tests.support import free_port
 
     orch, url = start_orchestrator(embedded_stack["draft_port"], free_port(), tmp_path, wait_ready=False)
     try:

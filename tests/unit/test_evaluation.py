@@ -32,7 +32,7 @@ from evaluation.stats import (
     summarise,
     time_split,
 )
-from tests.conftest import step_json
+from tests.support import step_json
 
 # ---- prompt suite --------------------------------------------------------------------------------
 

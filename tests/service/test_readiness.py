@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from orchestrator.app import create_app
 from orchestrator.settings import OrchestratorSettings
-from tests.conftest import free_port
+from tests.support import free_port
 
 
 def test_a_draft_outage_leaves_the_orchestrator_ready_but_degraded(tiny_target_server):

@@ -16,7 +16,7 @@ import uvicorn
 from prometheus_client import REGISTRY
 
 from orchestrator.streams import BoundedEventSource, BoundedServer
-from tests.conftest import free_port
+from tests.support import free_port
 
 
 def _stalled() -> float:

@@ -11,7 +11,7 @@ from specdec.errors import InvalidArgument
 from specdec.models import load_hf
 from specdec.sessions import SessionStore
 from target_service.engine import TargetEngine
-from tests.conftest import greedy_reference
+from tests.support import greedy_reference
 
 ARCHS = ["gpt2", "llama"]
 

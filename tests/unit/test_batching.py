@@ -15,7 +15,7 @@ from specdec.models import load_hf
 from specdec.scheduler import PENDING, ComputeThread
 from specdec.sessions import SessionStore
 from target_service.engine import TargetEngine
-from tests.conftest import greedy_reference
+from tests.support import greedy_reference
 
 ARCHS = ["gpt2", "llama"]
 PROMPTS = [[7, 3, 12, 5, 9, 20, 2, 11], [1, 2, 3], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 2, 3], [5]]

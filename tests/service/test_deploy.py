@@ -35,9 +35,9 @@ from specdec import healthcheck
 from specdec.sessions import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from target_service.settings import TargetSettings
+from tests.support import ROOT
 from ui.settings import UISettings
 
-ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("embedded", "gpt2", "gpu")
 # Native gRPC probes are GA since 1.27; the oldest minor still maintained when this was written,
@@ -52,7 +52,7 @@ PROCESSES = {
     "dashboard": (UISettings, "ui"),
 }
 MODEL_SERVICES = {"draft": "DraftService", "target": "TargetService"}
-# Runtime and weights of the ~130M-parameter models next to the KV budget (tests/test_containers.py).
+# Runtime and weights of the ~130M-parameter models next to the KV budget (tests/service/test_containers.py).
 MODEL_HEADROOM_MIB = 1536
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 

@@ -132,11 +132,11 @@ def test_transformers_forward_of_the_same_model_still_works(tiny_models):
 def test_unsupported_configurations_run_through_transformers(tmp_path, tiny_models):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tests.conftest import _save
+    from tests.support import save_checkpoint
 
     config = GPT2Config(vocab_size=48, n_positions=64, n_embd=32, n_layer=2, n_head=2, scale_attn_by_inverse_layer_idx=True)
     torch.manual_seed(0)
-    path = _save(GPT2LMHeadModel(config), tmp_path / "odd-gpt2")
+    path = save_checkpoint(GPT2LMHeadModel(config), tmp_path / "odd-gpt2")
     lm = _lm(path)
     assert lm.runner is None
     full, _ = _reference(path, IDS[:10])

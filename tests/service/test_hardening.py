@@ -24,9 +24,7 @@ from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from target_service.engine import TargetEngine
 from target_service.servicer import build_server as build_target
-from tests.conftest import greedy_reference
-
-PROMPT = [7, 3, 12, 5, 9, 20, 2, 11]
+from tests.support import PROMPT, EngineTarget, greedy_reference
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +184,7 @@ def test_eos_ids_include_the_generation_config(tmp_path):
     from transformers import GenerationConfig
 
     from specdec.engine import eos_ids
-    from tests.conftest import make_gpt2
+    from tests.support import make_gpt2
 
     folder = make_gpt2(tmp_path / "m", 0)
     GenerationConfig(eos_token_id=[0, 5]).save_pretrained(folder)
@@ -401,35 +399,6 @@ def test_admission_limits_answer_429_with_retry_after():
     assert rt.active == 0 and rt.active_per_key == {}
 
 
-class _EngineTarget:
-    """TargetPool over an in-process TargetEngine, with the service's status codes."""
-
-    service = "target"
-    in_flight = 0  # Verifies of the pool in flight (other streams' too), as TargetPool counts them
-
-    def __init__(self, engine: TargetEngine) -> None:
-        self.engine, self.released = engine, []
-        self.yield_cores: list[bool] = []  # per Verify: whether it asked to leave cores to a draft
-
-    async def verify(self, session_id, tokens, draft, sampling, distributions=(), return_target_probs=True,
-                     yield_cores=False):
-        from orchestrator.clients import Verified
-
-        self.yield_cores.append(yield_cores)
-        try:
-            v = self.engine.verify(session_id, tokens, draft, sampling, distributions, return_target_probs, yield_cores)
-        except InvalidArgument as exc:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       str(exc)) from exc
-        return Verified(v.num_accepted, v.next_token, v.target_probs, v.next_token_prob, v.cached_tokens,
-                        v.compute_ns / 1e6, 1.0)
-
-    async def release(self, session_id: str) -> bool:
-        await asyncio.sleep(0.05)
-        self.released.append(session_id)
-        return self.engine.release(session_id)
-
-
 class _OutOfVocabDraft:
     """A faulty draft whose proposals hold ids the target does not have."""
 
@@ -456,7 +425,7 @@ async def test_a_draft_the_target_refuses_costs_a_retry_not_the_request(engine):
     from orchestrator.loop import BadRequest, DraftHealth, GenerationParams, ModelLimits, generate
     from orchestrator.schemas import Step
 
-    target, draft = _EngineTarget(engine), _OutOfVocabDraft()
+    target, draft = EngineTarget(engine), _OutOfVocabDraft()
     limits = ModelLimits(engine.lm.max_context, 8, 1000, 8, set())
     params = GenerationParams(prompt_ids=PROMPT, max_tokens=6, ignore_eos=True)
     background: set[asyncio.Task] = set()
@@ -497,7 +466,7 @@ async def test_a_draft_with_a_larger_vocabulary_is_refused():
 
 def test_orchestrator_prompt_over_the_target_kv_budget_is_400(tmp_path, tiny_models):
     """A prompt the target's KV budget cannot hold used to fail with 503, as if the server broke."""
-    from tests.conftest import start_model_service, start_orchestrator
+    from tests.support import start_model_service, start_orchestrator
 
     target_env = {"SPECDEC_TARGET_MODEL": tiny_models["gpt2-target"], "SPECDEC_TARGET_KV_BUDGET_MB": "0.02",
                   "SPECDEC_TARGET_THREADS": "1"}
@@ -529,7 +498,7 @@ async def test_a_busy_target_is_waited_for_then_reported_as_429(engine):
     from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, TargetBusy, generate
     from orchestrator.schemas import Step
 
-    class Busy(_EngineTarget):
+    class Busy(EngineTarget):
         def __init__(self, engine, refusals: int) -> None:
             super().__init__(engine)
             self.refusals = refusals
