@@ -43,9 +43,11 @@ def test_every_controller_keeps_the_output(embedded_stack, controller):
     assert spec["token_ids"] == plain["token_ids"] and spec["controller"] == controller
     k_steps = [s["k"] for s in spec["steps"]]
     # The first steps run plainly while the draft prefills the prompt in the background (how many
-    # depends on the target's step cost against the draft's prefill), then speculation starts.
+    # depends on the target's step cost against the draft's prefill, and on what else the cores
+    # run), then speculation starts and lands the rest in fewer steps than tokens.
     lead = next(i for i, k in enumerate(k_steps) if k > 0)
-    assert 1 <= lead <= len(k_steps) // 2 and spec["stats"]["draft_catch_ups"] == 1
+    assert 1 <= lead < len(k_steps) and spec["stats"]["draft_catch_ups"] == 1
+    assert sum(s["accepted"] + 1 for s in spec["steps"][lead:]) > len(k_steps) - lead
     ks = set(k_steps[lead:])
     if controller == "fixed":
         # k = 3 at every step, except where fewer tokens are left: a step lands accepted + 1
