@@ -363,73 +363,22 @@ def main(argv: list[str] | None = None) -> int:
     out, command = report.start_run("evaluation.bench", argv, args.out, quiet=("httpx", "transformers", "matplotlib"))
 
     prompts = select(load_suite(), args.prompts, args.categories)
-    modes = pick_modes(args.modes, args.extra_draft)
-    if args.url and any(m.stack == "ngram" for m in modes) and not args.ngram_url:
-        logger.warning("--url without --ngram-url: skipping the ngram-* modes")
-        modes = [m for m in modes if m.stack != "ngram"]
-    if args.draft_backend == "ngram":
-        modes = [m for m in modes if m.stack != "ngram"]  # the main stack is the n-gram one already
-    for e in args.extra_draft:
-        if not any(m.stack == e.name for m in modes):
-            logger.warning("--extra-draft %s: --modes selects none of its modes; not starting it", e.name)
+    modes = _modes(args)
     if not modes or not prompts:
         raise SystemExit("nothing to run: no modes or no prompts selected")
     t_start = time.perf_counter()
     started = datetime.now().isoformat(timespec="seconds")
 
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from evaluation.hf import HFGenerator, encode, explain_mismatch, int8_assistant
+    from evaluation.hf import encode, explain_mismatch
     from evaluation.procs import Stack
-    from specdec.models import load_hf
 
-    hf_logging.set_verbosity_error()
-    in_process_threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(in_process_threads)
-    machine = machine_info(in_process_threads)
-    machine["service_threads"] = args.threads or "service defaults"
-    logger.info("loading target %s in this process (%d threads)", args.target, in_process_threads)
-    target = load_hf(args.target)
-    assistant, assistant_desc = None, ""
-    if any(m.how == "assisted" for m in modes):
-        choice = args.hf_assistant or (args.draft if args.draft_backend == "transformers" else "int8")
-        if choice == "int8":
-            assistant, assistant_desc = int8_assistant(target.model), f"{args.target} with torch dynamic int8 (Linear layers)"
-        else:
-            assistant, assistant_desc = load_hf(choice).model, choice
-        logger.info("hf-assisted assistant: %s", assistant_desc)
-    generator = HFGenerator(target.model, target.tokenizer, assistant)
+    target, generator, assistant_desc, machine = _in_process(args, modes)
     prompt_ids = {p.id: encode(target.tokenizer, p) for p in prompts}
 
     stack = Stack(out / "logs")
     harness = None
     try:
-        urls: dict[str, str] = {}
-        # without --threads the services run with their own defaults, which is what users get
-        threads = {"SPECDEC_TARGET_THREADS": str(args.threads)} if args.threads else {}
-        draft_threads = {"SPECDEC_DRAFT_THREADS": str(args.threads)} if args.threads else {}
-        if args.url:
-            urls["main"] = args.url.rstrip("/")
-            if args.ngram_url:
-                urls["ngram"] = args.ngram_url.rstrip("/")
-        elif any(m.kind == "specdec" for m in modes):
-            logger.info("starting the services (logs in %s)", stack.log_dir)
-            stack.log_dir.mkdir(parents=True, exist_ok=True)
-            tport = stack.model_service("target", "target", {"SPECDEC_TARGET_MODEL": args.target, **threads})
-            # SPECDEC_DRAFT_TARGET_MODEL: for --draft target, the model the target service runs
-            dport = stack.model_service("draft", "draft", {"SPECDEC_DRAFT_MODEL": args.draft,
-                                                           "SPECDEC_DRAFT_BACKEND": args.draft_backend,
-                                                           "SPECDEC_DRAFT_TARGET_MODEL": args.target, **draft_threads})
-            urls["main"] = stack.orchestrator("orchestrator", dport, tport)
-            if any(m.stack == "ngram" for m in modes):
-                nport = stack.model_service("draft-ngram", "draft", {"SPECDEC_DRAFT_BACKEND": "ngram"})
-                urls["ngram"] = stack.orchestrator("orchestrator-ngram", nport, tport)
-            for e in args.extra_draft:
-                if any(m.stack == e.name for m in modes):
-                    # a first start converts the model (its log says how far); a failed one ends the bench
-                    eport = stack.model_service(f"draft-{e.name}", "draft", {**e.env(args.target), **draft_threads})
-                    urls[e.name] = stack.orchestrator(f"orchestrator-{e.name}", eport, tport)
+        urls = _stack_urls(args, modes, stack)
         harness = Harness(generator, urls, args.max_tokens, args.confidence_threshold, args.api_key)
         info = {}
         for name, url in urls.items():
@@ -445,30 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = measure(harness, modes, prompts, prompt_ids, args.repeats)
         machine["load_average_end"] = list(os.getloadavg())
 
-        # correctness: every run against hf-plain's ids for the same prompt (computed untimed if
-        # hf-plain was not measured)
-        reference: dict[str, list[int]] = {}
-        for r in runs:
-            if r["mode"] == "hf-plain" and r["repeat"] == 0:
-                reference[r["prompt_id"]] = r["token_ids"]
-        for p in prompts:
-            if p.id not in reference:
-                reference[p.id], _ = generator.generate(prompt_ids[p.id], args.max_tokens, "plain")
-        mismatches = []
-        explained: dict[tuple[str, int, int], dict[str, Any]] = {}
-        for r in runs:
-            ref = reference[r["prompt_id"]]
-            pos = first_difference(ref, r["token_ids"])
-            r["identical"] = pos is None
-            if pos is not None:
-                other = r["token_ids"][pos] if pos < len(r["token_ids"]) else -1
-                key = (r["prompt_id"], pos, other)
-                if key not in explained:
-                    explained[key] = explain_mismatch(target.model, target.tokenizer, prompt_ids[r["prompt_id"]],
-                                                      ref, r["token_ids"]) or {}
-                r["mismatch"] = explained[key]
-                mismatches.append({"mode": r["mode"], "prompt_id": r["prompt_id"], "repeat": r["repeat"],
-                                   **explained[key]})
+        mismatches = _compare_outputs(runs, prompts, prompt_ids, generator, target, args.max_tokens,
+                                      explain_mismatch)
     finally:
         if harness is not None:
             harness.close()
@@ -494,6 +421,108 @@ def main(argv: list[str] | None = None) -> int:
     print(report.render_tables(summary))
     print(render_positions(positions))
     return 0
+
+
+def _in_process(args: argparse.Namespace, modes: list[Mode]) -> tuple[Any, Any, str, dict[str, Any]]:
+    """The target loaded in this process (the hf-* modes and the reference outputs), the HF
+    generator over it (with an assistant for hf-assisted), the assistant's description and the
+    machine's description."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from evaluation.hf import HFGenerator, int8_assistant
+    from specdec.models import load_hf
+
+    hf_logging.set_verbosity_error()
+    in_process_threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(in_process_threads)
+    machine = machine_info(in_process_threads)
+    machine["service_threads"] = args.threads or "service defaults"
+    logger.info("loading target %s in this process (%d threads)", args.target, in_process_threads)
+    target = load_hf(args.target)
+    assistant, assistant_desc = None, ""
+    if any(m.how == "assisted" for m in modes):
+        choice = args.hf_assistant or (args.draft if args.draft_backend == "transformers" else "int8")
+        if choice == "int8":
+            assistant, assistant_desc = int8_assistant(target.model), f"{args.target} with torch dynamic int8 (Linear layers)"
+        else:
+            assistant, assistant_desc = load_hf(choice).model, choice
+        logger.info("hf-assisted assistant: %s", assistant_desc)
+    return target, HFGenerator(target.model, target.tokenizer, assistant), assistant_desc, machine
+
+
+def _modes(args: argparse.Namespace) -> list[Mode]:
+    """The modes to run: --modes, less those whose stack this run cannot start or reach."""
+    modes = pick_modes(args.modes, args.extra_draft)
+    if args.url and any(m.stack == "ngram" for m in modes) and not args.ngram_url:
+        logger.warning("--url without --ngram-url: skipping the ngram-* modes")
+        modes = [m for m in modes if m.stack != "ngram"]
+    if args.draft_backend == "ngram":
+        modes = [m for m in modes if m.stack != "ngram"]  # the main stack is the n-gram one already
+    for e in args.extra_draft:
+        if not any(m.stack == e.name for m in modes):
+            logger.warning("--extra-draft %s: --modes selects none of its modes; not starting it", e.name)
+    return modes
+
+
+def _stack_urls(args: argparse.Namespace, modes: list[Mode], stack: Any) -> dict[str, str]:
+    """The orchestrator URL of each stack the modes use: given (--url, --ngram-url) or started."""
+    urls: dict[str, str] = {}
+    # without --threads the services run with their own defaults, which is what users get
+    threads = {"SPECDEC_TARGET_THREADS": str(args.threads)} if args.threads else {}
+    draft_threads = {"SPECDEC_DRAFT_THREADS": str(args.threads)} if args.threads else {}
+    if args.url:
+        urls["main"] = args.url.rstrip("/")
+        if args.ngram_url:
+            urls["ngram"] = args.ngram_url.rstrip("/")
+        return urls
+    if not any(m.kind == "specdec" for m in modes):
+        return urls
+    logger.info("starting the services (logs in %s)", stack.log_dir)
+    stack.log_dir.mkdir(parents=True, exist_ok=True)
+    tport = stack.model_service("target", "target", {"SPECDEC_TARGET_MODEL": args.target, **threads})
+    # SPECDEC_DRAFT_TARGET_MODEL: for --draft target, the model the target service runs
+    dport = stack.model_service("draft", "draft", {"SPECDEC_DRAFT_MODEL": args.draft,
+                                                   "SPECDEC_DRAFT_BACKEND": args.draft_backend,
+                                                   "SPECDEC_DRAFT_TARGET_MODEL": args.target, **draft_threads})
+    urls["main"] = stack.orchestrator("orchestrator", dport, tport)
+    if any(m.stack == "ngram" for m in modes):
+        nport = stack.model_service("draft-ngram", "draft", {"SPECDEC_DRAFT_BACKEND": "ngram"})
+        urls["ngram"] = stack.orchestrator("orchestrator-ngram", nport, tport)
+    for e in args.extra_draft:
+        if any(m.stack == e.name for m in modes):
+            # a first start converts the model (its log says how far); a failed one ends the bench
+            eport = stack.model_service(f"draft-{e.name}", "draft", {**e.env(args.target), **draft_threads})
+            urls[e.name] = stack.orchestrator(f"orchestrator-{e.name}", eport, tport)
+    return urls
+
+
+def _compare_outputs(runs: list[dict[str, Any]], prompts: list[Prompt], prompt_ids: dict[str, list[int]],
+                     generator: Any, target: Any, max_tokens: int, explain: Any) -> list[dict[str, Any]]:
+    """Every run against hf-plain's ids for the same prompt (computed untimed when hf-plain was not
+    measured): marks each run ``identical`` (or its ``mismatch``) and returns the mismatches."""
+    reference: dict[str, list[int]] = {}
+    for r in runs:
+        if r["mode"] == "hf-plain" and r["repeat"] == 0:
+            reference[r["prompt_id"]] = r["token_ids"]
+    for p in prompts:
+        if p.id not in reference:
+            reference[p.id], _ = generator.generate(prompt_ids[p.id], max_tokens, "plain")
+    mismatches = []
+    explained: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for r in runs:
+        ref = reference[r["prompt_id"]]
+        pos = first_difference(ref, r["token_ids"])
+        r["identical"] = pos is None
+        if pos is not None:
+            other = r["token_ids"][pos] if pos < len(r["token_ids"]) else -1
+            key = (r["prompt_id"], pos, other)
+            if key not in explained:
+                explained[key] = explain(target.model, target.tokenizer, prompt_ids[r["prompt_id"]], ref,
+                                         r["token_ids"]) or {}
+            r["mismatch"] = explained[key]
+            mismatches.append({"mode": r["mode"], "prompt_id": r["prompt_id"], "repeat": r["repeat"], **explained[key]})
+    return mismatches
 
 
 def measure(harness: Harness, modes: list[Mode], prompts: list[Prompt], prompt_ids: dict[str, list[int]],

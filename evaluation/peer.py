@@ -672,6 +672,43 @@ def run(args: argparse.Namespace, out: Path, command: str) -> int:
     spec_cmd = llama_server_command(server_bin, target_gguf, spec_port, args.threads, args.ctx_size, args.kv_type,
                                     draft=draft_gguf, draft_max=args.draft_max, draft_min=args.draft_min,
                                     draft_p_min=args.draft_p_min)
+    runs, services = _serve_and_measure(args, log_dir, plain_cmd, spec_cmd, prompts, prompt_ids)
+    machine["load_average_end"] = list(os.getloadavg())
+
+    mismatches = find_mismatches(runs)
+    for x in mismatches:
+        for which in ("reference", "other"):
+            if x[f"{which}_token"] is not None:
+                x[f"{which}_text"] = tokenizer.decode([x[f"{which}_token"]])
+    if not any(r.get("draft_tokens") for r in runs if r["mode"] == "llama-spec"):
+        logger.warning("llama-server speculative drafted no tokens at all: check %s", log_dir / "llama-spec.log")
+    summary = summarise(runs, args.max_tokens)
+    results = {
+        "started": started, "duration_s": round(time.perf_counter() - t_start, 1), "command": command,
+        "args": _jsonable(vars(args)), "machine": machine, "llama_cpp": llama_info,
+        "llama_server_version": llama_version(server_bin), "llama_dir": str(llama_dir),
+        "suite": {"version": SUITE_VERSION, "digest": suite_digest()}, "prompts": [p.id for p in prompts],
+        "repeats": args.repeats, "max_tokens": args.max_tokens,
+        "setup": {"target_source": str(source), "target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf),
+                  "threads": args.threads, "kv_type": args.kv_type, "llama_plain_command": plain_cmd,
+                  "llama_spec_command": spec_cmd,
+                  "completion_fields": {k: v for k, v in completion_body([], 0).items() if k not in ("prompt", "n_predict")},
+                  "specdec_fields": {"ignore_eos": True, "temperature": 0}},
+        "services": services, "llama_bench": bench_rows, "summary": summary, "mismatches": mismatches, "runs": runs,
+    }
+    write_results(out, results)
+    (out / "report.md").write_text(render_markdown(results))
+    logger.info("done in %.0f s: %s", results["duration_s"], out)
+    print(render_tables(results))
+    if bench_rows:
+        print(llama_bench_table(bench_rows))
+    return 0
+
+
+def _serve_and_measure(args: argparse.Namespace, log_dir: Path, plain_cmd: list[str], spec_cmd: list[str],
+                       prompts: list[Any], prompt_ids: dict[str, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Start both llama-servers and specdec's stack at its defaults, run every mode on every
+    prompt, stop them all; (runs, each server's /props or /v1/info)."""
     import httpx
 
     stack = Stack(log_dir)
@@ -705,7 +742,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> int:
                 first = prompts[0]
                 for m in MODES:
                     client.run(m, first, prompt_ids[first.id], WARMUP_TOKENS)
-            runs = measure(client, prompts, prompt_ids, args.max_tokens, args.repeats)
+            return measure(client, prompts, prompt_ids, args.max_tokens, args.repeats), services
         except httpx.HTTPError as exc:
             dead = [f"{s.name} exited:\n{s.tail()}" for s in stack.services if not s.alive()]
             raise PeerError(f"a request failed ({type(exc).__name__}: {exc})" + ("; " + "; ".join(dead) if dead else "")) from exc
@@ -713,36 +750,6 @@ def run(args: argparse.Namespace, out: Path, command: str) -> int:
         if harness is not None:
             harness.close()
         stack.close()
-    machine["load_average_end"] = list(os.getloadavg())
-
-    mismatches = find_mismatches(runs)
-    for x in mismatches:
-        for which in ("reference", "other"):
-            if x[f"{which}_token"] is not None:
-                x[f"{which}_text"] = tokenizer.decode([x[f"{which}_token"]])
-    if not any(r.get("draft_tokens") for r in runs if r["mode"] == "llama-spec"):
-        logger.warning("llama-server speculative drafted no tokens at all: check %s", log_dir / "llama-spec.log")
-    summary = summarise(runs, args.max_tokens)
-    results = {
-        "started": started, "duration_s": round(time.perf_counter() - t_start, 1), "command": command,
-        "args": _jsonable(vars(args)), "machine": machine, "llama_cpp": llama_info,
-        "llama_server_version": llama_version(server_bin), "llama_dir": str(llama_dir),
-        "suite": {"version": SUITE_VERSION, "digest": suite_digest()}, "prompts": [p.id for p in prompts],
-        "repeats": args.repeats, "max_tokens": args.max_tokens,
-        "setup": {"target_source": str(source), "target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf),
-                  "threads": args.threads, "kv_type": args.kv_type, "llama_plain_command": plain_cmd,
-                  "llama_spec_command": spec_cmd,
-                  "completion_fields": {k: v for k, v in completion_body([], 0).items() if k not in ("prompt", "n_predict")},
-                  "specdec_fields": {"ignore_eos": True, "temperature": 0}},
-        "services": services, "llama_bench": bench_rows, "summary": summary, "mismatches": mismatches, "runs": runs,
-    }
-    write_results(out, results)
-    (out / "report.md").write_text(render_markdown(results))
-    logger.info("done in %.0f s: %s", results["duration_s"], out)
-    print(render_tables(results))
-    if bench_rows:
-        print(llama_bench_table(bench_rows))
-    return 0
 
 
 if __name__ == "__main__":
