@@ -471,6 +471,8 @@ class SpeculativeRequest:
                 raise BadRequest(exc.details()) from exc
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise TargetBusy(f"target service is busy: {exc.details()}") from exc
+            logger.warning("request %s: the target failed on every replica: %s: %s", self.session_id,
+                           exc.code().name, exc.details())
             raise TargetUnavailable(f"target service: {exc.code().name}: {exc.details()}") from exc
         PREFIX_TOKENS.labels("cached").inc(step.verified.cached_tokens)
         PREFIX_TOKENS.labels("computed").inc(max(len(self.seq) - step.verified.cached_tokens, 0))
