@@ -161,7 +161,7 @@ def test_sigterm_mid_stream_ends_every_generation_with_a_terminal_answer(service
     exited_after_s = time.monotonic() - t_signal
     released = wait_released(services["ports"], timeout_s=20)
 
-    finished, cut, missing = [], [], []
+    finished, cut, missing, not_admitted = [], [], [], []
     for i, out in enumerate(outcomes):
         if i < 16:
             terminal = [e for e, _ in out.events if e in ("done", "error")]
@@ -175,12 +175,15 @@ def test_sigterm_mid_stream_ends_every_generation_with_a_terminal_answer(service
             finished.append(out)
         elif out.status == 503 and "shut down" in str(out.body):
             cut.append(out)
+        elif out.status == 503 and "retry on another replica" in str(out.body):
+            not_admitted.append(i)  # still waiting for admission when the signal came: refused, with why
         else:
             missing.append((i, out.status, out.error, out.body))
     last_answer_s = max(o.ended for o in outcomes) - t_signal
     cut_at = [o.failed_at - t_signal for o in cut]
     report = {"generations": len(bodies), "streams": 16, "plain": 8, "drain_s": DRAIN_S,
               "finished": len(finished), "ended_with_503": len(cut), "without_terminal_answer": missing,
+              "refused_before_admission": not_admitted,
               "cut_after_s": [round(min(cut_at), 2), round(max(cut_at), 2)] if cut_at else [],
               "last_answer_after_s": round(last_answer_s, 2), "exited_after_s": round(exited_after_s, 2),
               "exit_code": exit_code, "held_after": released,
