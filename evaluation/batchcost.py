@@ -137,6 +137,7 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
         if missing:
             raise SystemExit(f"this model and torch build cannot run {', '.join(missing)}; they have "
                              f"runner, {', '.join(available)}")
+    runners = {name: engine.lm.runner for name, engine in engines.items()}  # _select takes them away
     rng = random.Random(0)
     out = {}
     for q in args.rows:
@@ -148,8 +149,9 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
             times: dict[str, list[float]] = {k: [] for k in args.kernels}
             for _ in range(args.repeats):
                 for kernel in args.kernels:  # interleaved, so drift of the machine hits each alike
-                    engine = engines["runner" if kernel == "runner" else "other"]
-                    _select(engine, kernel)
+                    name = "runner" if kernel == "runner" else "other"
+                    engine = engines[name]
+                    _select(engine, runners[name], kernel)
                     # each step: the session's next token (uncached) plus q - 1 draft tokens
                     jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1))
                             for i, s in enumerate(seqs)]
@@ -165,13 +167,11 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
     return out
 
 
-def _select(engine: Any, kernel: str) -> None:
-    """Make ``engine`` run its passes as ``kernel`` says (the runner, or transformers' forward on
-    one linear kernel)."""
+def _select(engine: Any, runner: Any, kernel: str) -> None:
+    """Make ``engine`` run its passes as ``kernel`` says: its ``runner``, or transformers' forward
+    on one linear kernel."""
     lm = engine.lm
-    if not hasattr(lm, "_specdec_runner"):
-        lm._specdec_runner = lm.runner
-    lm.runner = lm._specdec_runner if kernel.startswith("runner") else None
+    lm.runner = runner if kernel.startswith("runner") else None
     if kernel not in ("runner", "runner-ops"):
         lm.fast_linears.kernel = kernel
     elif lm.fast_linears.kernels:

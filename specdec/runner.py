@@ -222,6 +222,9 @@ class LlamaRunner(_Runner):
              _linear(fast, layer.mlp.gate_proj, layer.mlp.up_proj), _linear(fast, layer.mlp.down_proj))
             for layer in inner.layers
         ]
+        # the norm after each layer (the next layer's input norm, the final one after the last):
+        # the native forward fuses each layer's residual add into it
+        self.norms_after = [layer[0] for layer in self.layers[1:]] + [self.final_norm]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then the weight
@@ -262,12 +265,11 @@ class LlamaRunner(_Runner):
         table = native.segment_table(batch.segments)
         offsets = (0, heads * d, (heads + kvh) * d)
         attn = x.new_zeros(x.shape[0], heads * d)  # rows outside every segment (padding) stay 0
-        norms = [layer[0] for layer in self.layers[1:]] + [self.final_norm]  # the norm after each layer
         h = native.add_norm(x, None, self.layers[0][0], None, eps)
         for i, (_, wqkv, wo, ln2, wgate_up, wdown) in enumerate(self.layers):
             native.attention(wqkv(h), offsets, heads, kvh, d, cos, sin, table, i, self.scale, attn)
             h = native.add_norm(x, wo(attn), ln2, None, eps)  # x += attention's projection
-            h = native.add_norm(x, wdown(native.silu_mul(wgate_up(h))), norms[i], None, eps)  # x += the MLP's
+            h = native.add_norm(x, wdown(native.silu_mul(wgate_up(h))), self.norms_after[i], None, eps)  # x += the MLP's
         return self._logits(h, batch.keep, lambda y: y)
 
 
@@ -300,6 +302,8 @@ class GPT2Runner(_Runner):
              block.ln_2.weight, block.ln_2.bias, _linear(fast, block.mlp.c_fc), _linear(fast, block.mlp.c_proj))
             for block in inner.h
         ]
+        # (weight, bias) of the norm after each layer, as in LlamaRunner.norms_after
+        self.norms_after = [(layer[0], layer[1]) for layer in self.layers[1:]] + [self.final_norm]
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         heads, d, n = self.heads, self.head_dim, self.hidden
@@ -323,12 +327,11 @@ class GPT2Runner(_Runner):
         native, eps, heads, d, n = self.native, self.eps, self.heads, self.head_dim, self.hidden
         table = native.segment_table(batch.segments)
         attn = x.new_zeros(x.shape[0], n)  # rows outside every segment (padding) stay 0
-        norms = [(layer[0], layer[1]) for layer in self.layers[1:]] + [self.final_norm]  # after each layer
         h = native.add_norm(x, None, self.layers[0][0], self.layers[0][1], eps)
         for i, (_, _, c_attn, c_proj, w2, b2, c_fc, mlp_proj) in enumerate(self.layers):
             native.attention(c_attn(h), (0, n, 2 * n), heads, heads, d, None, None, table, i, self.scale, attn)
             h = native.add_norm(x, c_proj(attn), w2, b2, eps)
-            h = native.add_norm(x, mlp_proj(c_fc(h, "gelu", "tanh")), *norms[i], eps)
+            h = native.add_norm(x, mlp_proj(c_fc(h, "gelu", "tanh")), *self.norms_after[i], eps)
         return self._logits(h, batch.keep, lambda y: y)
 
 

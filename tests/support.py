@@ -233,6 +233,14 @@ DEFAULTS = {"controller": "cost", "k": 4, "max_k": 8, "confidence_threshold": 0.
 class FakeOrchestrator:
     """The orchestrator's HTTP surface with canned answers; ``mode`` picks the behaviour."""
 
+    def reset(self, server_body: dict[str, Any] | None = None) -> FakeOrchestrator:
+        """Back to answering normally with nothing recorded (tests share one fake per module)."""
+        self.mode = "ok"
+        self.requests.clear()
+        self.gets.clear()
+        self.server_body = server_body
+        return self
+
     def __init__(self) -> None:
         self.mode = "ok"  # ok | not_ready | bad_input | bad_prompt | mid_error | draft_failing | plain_differs
         self.requests: list[dict[str, Any]] = []

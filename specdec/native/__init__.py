@@ -147,10 +147,6 @@ class Kernels:
                        None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``x * rsqrt(mean(x**2, -1) + eps) * weight`` of a [rows, n] tensor."""
-        return self.add_norm(x, None, weight, None, eps)
-
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a [rows, 2 * n] tensor holding gate then up."""
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2

@@ -320,10 +320,7 @@ def orchestrator():
 
 @pytest.fixture
 def fake(orchestrator, monkeypatch):
-    orchestrator.mode = "ok"
-    orchestrator.requests.clear()
-    orchestrator.gets.clear()
-    orchestrator.server_body = snapshot()
+    orchestrator.reset(snapshot())
     monkeypatch.setenv("SPECDEC_UI_ORCHESTRATOR_URL", orchestrator.url)
     return orchestrator
 

@@ -35,10 +35,7 @@ def server():
 
 @pytest.fixture
 def fake(server, monkeypatch):
-    server.mode = "ok"
-    server.requests.clear()
-    server.gets.clear()
-    server.server_body = None
+    server.reset()
     monkeypatch.setenv("SPECDEC_UI_ORCHESTRATOR_URL", server.url)
     return server
 

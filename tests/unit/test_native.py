@@ -24,11 +24,21 @@ def native():
     return k
 
 
-def test_rms_norm_matches_torch(native):
+def test_add_norm_matches_torch_and_adds_the_residual_in_place(native):
+    """RMSNorm (no bias) and LayerNorm (a bias) of each row, after ``x += delta`` when a delta is
+    given; tails past the last 16 floats included."""
     gen = torch.Generator().manual_seed(0)
     for rows, n in [(1, 576), (4, 576), (9, 37), (17, 16)]:  # 37: a tail past the last 16 floats
-        x, w = torch.randn(rows, n, generator=gen) * 3, torch.randn(n, generator=gen)
-        assert torch.allclose(native.rms_norm(x, w, 1e-5), F.rms_norm(x, (n,), w, 1e-5), rtol=1e-5, atol=1e-6)
+        x, w, b = torch.randn(rows, n, generator=gen) * 3, torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        delta = torch.randn(rows, n, generator=gen)
+        assert torch.allclose(native.add_norm(x.clone(), None, w, None, 1e-5), F.rms_norm(x, (n,), w, 1e-5),
+                              rtol=1e-5, atol=1e-6)
+        assert torch.allclose(native.add_norm(x.clone(), None, w, b, 1e-5), F.layer_norm(x, (n,), w, b, 1e-5),
+                              rtol=1e-4, atol=1e-5)
+        residual = x.clone()
+        out = native.add_norm(residual, delta, w, None, 1e-5)
+        assert torch.equal(residual, x + delta)  # the residual stream carries the sum on
+        assert torch.allclose(out, F.rms_norm(x + delta, (n,), w, 1e-5), rtol=1e-5, atol=1e-6)
 
 
 def test_silu_mul_matches_torch_across_the_exp_range(native):
