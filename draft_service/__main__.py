@@ -19,7 +19,7 @@ def main() -> None:
     configure_logging(settings.log_level)
     # With llama.cpp (or n-gram), torch only samples between decodes: one thread, no OpenMP
     # workers of its own; llama.cpp's threads follow SPECDEC_DRAFT_THREADS (its backend).
-    configure_torch(settings.threads if settings.backend == "transformers" else 1)
+    configure_torch(settings.threads if settings.backend in ("transformers", "native") else 1)
     from draft_service.backends import create_proposer
     from draft_service.servicer import build_server
     from specdec.auth import server_security

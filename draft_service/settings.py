@@ -17,8 +17,10 @@ class DraftSettings(ModelServiceSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPECDEC_DRAFT_", cli_prog_name="python -m draft_service")
 
-    backend: Literal["llamacpp", "transformers", "ngram"] = Field(
-        "llamacpp", description="Draft backend: llamacpp (GGUF), transformers (any causal LM), ngram (prompt lookup)."
+    backend: Literal["llamacpp", "native", "transformers", "ngram"] = Field(
+        "llamacpp", description="Draft backend: llamacpp (GGUF), native (the same GGUF on specdec's own kernels: Llama "
+                                "and GPT-2 files, Q4_1 / Q8_0 linears, AVX-512 VNNI), transformers (any causal LM), "
+                                "ngram (prompt lookup)."
     )
     model: str = Field(
         EMBEDDED,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from specdec.errors import InvalidArgument
@@ -168,18 +169,22 @@ class _FastLinears:
     """
 
     @classmethod
-    def of(cls, model: Any, pack: bool = True, keep_row_major: bool = False, native: bool = True) -> _FastLinears:
+    def of(cls, model: Any, pack: bool = True, keep_row_major: bool = False, native: bool = True,
+           quant: dict[int, tuple[str, Any]] | None = None) -> _FastLinears:
         """The model's one instance (engines may share a model object; wrap its layers once; the
         first caller's options hold). ``pack``: pack the weights where this build can;
         ``keep_row_major``: keep the row-major weights too (for comparing kernels); ``native``:
-        pack for specdec.native's kernel where it builds, else for oneDNN."""
+        pack for specdec.native's kernel where it builds, else for oneDNN; ``quant``: layers
+        (by ``id``) to run on GGUF-quantised weights instead, as (block type, raw blocks), see
+        specdec.gguf_model."""
         fast = getattr(model, "_specdec_fast_linears", None)
         if not isinstance(fast, cls):
-            fast = cls(model, pack, keep_row_major, native)
+            fast = cls(model, pack, keep_row_major, native, quant)
             model._specdec_fast_linears = fast
         return fast
 
-    def __init__(self, model: Any, pack: bool = True, keep_row_major: bool = False, native: bool = True) -> None:
+    def __init__(self, model: Any, pack: bool = True, keep_row_major: bool = False, native: bool = True,
+                 quant: dict[int, tuple[str, Any]] | None = None) -> None:
         self._local = threading.local()
         self.count = 0
         self._onednn = _onednn_linear()
@@ -190,6 +195,11 @@ class _FastLinears:
             logger.info("linears on oneDNN's packed kernel: specdec.native's runs %s here, not AVX-512",
                         self.native.isa)
             self.native = None
+        quant = quant or {}
+        if quant and self.native is None:
+            self.native = kernels() if native else None
+            if self.native is None:
+                raise RuntimeError("quantised linears need specdec.native, which is unavailable here (see the log)")
         if self.native is not None:
             pack = lambda w, _hint: self.native.pack_linear(w)  # noqa: E731
             self.kernel = "native"
@@ -205,16 +215,24 @@ class _FastLinears:
             for param in module.parameters(recurse=False):
                 holders[param.data_ptr()] = holders.get(param.data_ptr(), 0) + 1
         self._conv1d: set[int] = set()  # GPT-2's Conv1D layers (weight [in, out]): packed kernel only
+        self.quantised = 0  # layers on GGUF-quantised weights
         linears = [(module, weight) for module in model.modules() if (weight := _linear_weight(module)) is not None]
         if pack is not None:
             with torch.inference_mode():
                 for group in self._groups(model, dict((id(m), w) for m, w in linears)):
-                    weight = torch.cat([w for _, w in group]) if len(group) > 1 else group[0][1]
                     biases = [m.bias for m, _ in group]
                     bias = None if biases[0] is None else torch.cat(biases).detach() if len(group) > 1 else biases[0]
-                    packed, start = pack(weight.contiguous(), PACK_ROWS_HINT), 0
+                    blocks = [quant.get(id(m)) for m, _ in group]
+                    if all(b is not None for b in blocks) and len({b[0] for b in blocks}) == 1:
+                        raw = np.concatenate([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
+                        packed = self.native.pack_quant(raw, blocks[0][0], raw.shape[0], group[0][1].shape[1])
+                        self.quantised += len(group)
+                    else:
+                        weight = torch.cat([w for _, w in group]) if len(group) > 1 else group[0][1]
+                        packed = pack(weight.contiguous(), PACK_ROWS_HINT)
+                    start, group_out = 0, sum(w.shape[0] for _, w in group)
                     for module, w in group:
-                        self._packed[id(module)] = Packed(packed, bias, start, start + w.shape[0], weight.shape[0])
+                        self._packed[id(module)] = Packed(packed, bias, start, start + w.shape[0], group_out)
                         start += w.shape[0]
         for module, _ in linears:
             if type(module) is not torch.nn.Linear:
@@ -377,7 +395,8 @@ class CachedCausalLM:
     """
 
     def __init__(self, model: Any, store: SessionStore, pack_weights: bool = True, use_runner: bool = True,
-                 attention: str | None = None, native: bool = True) -> None:
+                 attention: str | None = None, native: bool = True, quant: dict[int, tuple[str, Any]] | None = None
+                 ) -> None:
         self.model = model
         self.store = store
         self.lock = threading.Lock()
@@ -387,7 +406,7 @@ class CachedCausalLM:
         self.attention = attention or attention_path(self.device)
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
-        self.fast_linears = _FastLinears.of(model, pack_weights, native=native)
+        self.fast_linears = _FastLinears.of(model, pack_weights, native=native, quant=quant)
         logger.info("%d fp32 linear layers on the %s kernel (%d served by their packed weight alone)",
                     self.fast_linears.count, self.fast_linears.kernel, self.fast_linears.released)
         # specdec's own forward for the architectures it covers (specdec.runner), else transformers'

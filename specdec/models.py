@@ -170,21 +170,14 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return _digest([t if t is not None else "" for t in tokens], {"eos": tokenizer.eos_token_id})
 
 
-def gguf_tokenizer_fingerprint(path: Path) -> tuple[str, int, list[int]]:
-    """(fingerprint, vocab size, eos ids) of a GGUF file's embedded tokenizer, comparable with
-    :func:`tokenizer_fingerprint` of the same tokenizer loaded by transformers."""
-    from gguf import GGUFReader
+def gguf_tokenizer_fingerprint(gguf: Path | Any) -> tuple[str, int, list[int]]:
+    """(fingerprint, vocab size, eos ids) of a GGUF file's embedded tokenizer (a path, or a parsed
+    :class:`specdec.gguf_file.GGUFFile`), comparable with :func:`tokenizer_fingerprint` of the same
+    tokenizer loaded by transformers."""
+    from specdec.gguf_file import GGUFFile
 
-    reader = GGUFReader(str(path))
-
-    def field(name: str) -> Any:
-        f = reader.fields.get(name)
-        if f is None:
-            return None
-        if name == "tokenizer.ggml.tokens":
-            return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-        return int(f.parts[f.data[0]][0])
-
-    tokens = field("tokenizer.ggml.tokens") or []
-    eos = field("tokenizer.ggml.eos_token_id")
+    if not isinstance(gguf, GGUFFile):
+        gguf = GGUFFile(gguf)
+    tokens = gguf.field("tokenizer.ggml.tokens") or []
+    eos = gguf.field("tokenizer.ggml.eos_token_id")
     return _digest(tokens, {"eos": eos}), len(tokens), [eos] if eos is not None else []

@@ -22,6 +22,12 @@ def _llamacpp(settings: DraftSettings) -> Proposer:
     return LlamaCppProposer.from_settings(settings)
 
 
+def _native(settings: DraftSettings) -> Proposer:
+    from draft_service.backends.native import NativeProposer
+
+    return NativeProposer.from_settings(settings)
+
+
 def _ngram(settings: DraftSettings) -> Proposer:
     from draft_service.backends.ngram import NgramProposer
 
@@ -32,6 +38,7 @@ def _ngram(settings: DraftSettings) -> Proposer:
 BACKENDS: dict[str, Callable[[DraftSettings], Proposer]] = {
     "transformers": _transformers,
     "llamacpp": _llamacpp,
+    "native": _native,
     "ngram": _ngram,
 }
 

@@ -34,6 +34,7 @@ from specdec import sampling as sm
 from specdec.engine import ModelInfo
 from specdec.errors import Cancelled, ResourceExhausted
 from specdec.gguf_convert import draft_gguf
+from specdec.gguf_model import file_type_name
 from specdec.models import gguf_tokenizer_fingerprint
 from specdec.runtime import cpu_cores
 from specdec.scheduler import StepResult
@@ -130,7 +131,7 @@ class LlamaCppProposer(Proposer):
         metadata = self._model.metadata()
         self._info = ModelInfo(
             model_id=model_path, architecture=metadata.get("general.architecture", "gguf"), vocab_size=self.n_vocab,
-            tokenizer_fingerprint=fingerprint, max_context=min(n_ctx_train, pool), dtype=_file_type(metadata),
+            tokenizer_fingerprint=fingerprint, max_context=min(n_ctx_train, pool), dtype=file_type_name(metadata.get("general.file_type", "")),
             device="cuda" if offload else "cpu", backend=self.backend, max_draft_tokens=max_draft_tokens,
             eos_token_ids=sorted(self._eos),
         )
@@ -320,10 +321,3 @@ class _Planned:
     seq: list[int]  # the job's sequence so far (request tokens + drafted)
     cached: int  # leading tokens of seq already in its cache
     guess: list[int]
-
-
-def _file_type(metadata: dict[str, str]) -> str:
-    # general.file_type is llama.cpp's LLAMA_FTYPE enum; name the common ones.
-    names = {"0": "F32", "1": "F16", "2": "Q4_0", "3": "Q4_1", "7": "Q8_0", "8": "Q5_0", "9": "Q5_1",
-             "15": "Q4_K_M", "17": "Q5_K_M", "18": "Q6_K", "32": "BF16"}
-    return names.get(metadata.get("general.file_type", ""), "gguf")

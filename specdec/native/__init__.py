@@ -26,8 +26,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch  # noqa: F401  # loaded first: the library's OpenMP calls then run on torch's own libgomp pool
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,19 @@ _F = ctypes.c_float
 
 PANEL = 16  # output columns per panel of a packed linear weight (kernels.c)
 ACTIVATIONS = {"none": 0, "gelu_tanh": 1}
+QUANT_FORMATS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block types the quantised linears read (kernels.c)
+QUANT_BLOCK = 32  # weights per block along the input dimension
+GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A GGUF-quantised [out, in] weight packed by :meth:`Kernels.pack_quant` (uint8 bytes)."""
+
+    data: torch.Tensor
+    fmt: str  # a key of QUANT_FORMATS
+    out_features: int
+    in_features: int
 
 
 class NativeError(RuntimeError):
@@ -133,6 +148,19 @@ class Kernels:
         isa = lib.sd_linear_isa
         isa.restype = ctypes.c_char_p
         self.isa: str = isa().decode()  # the linears' instruction set: avx512, avx2 or baseline
+        self._pack_quant = lib.sd_pack_quant
+        self._pack_quant.argtypes = [_P, _I, _I, ctypes.c_int, _P]
+        self._pack_quant.restype = None
+        self._quant_bytes = lib.sd_quant_bytes
+        self._quant_bytes.argtypes = [_I, _I, ctypes.c_int]
+        self._quant_bytes.restype = _I
+        self._linear_quant = lib.sd_linear_quant
+        self._linear_quant.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _P, _P, ctypes.c_int, _P, _P]
+        self._linear_quant.restype = None
+        quant_isa = lib.sd_quant_isa
+        quant_isa.restype = ctypes.c_char_p
+        # the quantised linears' instruction set: vnni (AVX-512 VNNI), else baseline (portable, slow)
+        self.quant_isa: str = quant_isa().decode()
         self._attention = lib.sd_attention
         self._attention.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _I]
         self._attention.restype = ctypes.c_int
@@ -162,12 +190,36 @@ class Kernels:
         self._pack_linear(weight.data_ptr(), n, k, panels.data_ptr())
         return panels
 
-    def linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-               act: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
+    def pack_quant(self, blocks: np.ndarray, fmt: str, out_features: int, in_features: int) -> QuantWeight:
+        """A GGUF tensor's raw blocks (uint8, [out, in / 32 * block bytes], as ``gguf.GGUFReader``
+        reads a Q4_1 or Q8_0 tensor) packed for :meth:`linear`."""
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"quantised linears read {sorted(QUANT_FORMATS)}, not {fmt}")
+        if in_features % QUANT_BLOCK:
+            raise ValueError(f"in_features {in_features} is not a multiple of {QUANT_BLOCK}")
+        expected = (out_features, in_features // QUANT_BLOCK * GGUF_BLOCK_BYTES[fmt])
+        blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+        if blocks.shape != expected:
+            raise ValueError(f"{fmt} blocks of shape {blocks.shape}, expected {expected}")
+        code = QUANT_FORMATS[fmt]
+        data = torch.empty(self._quant_bytes(out_features, in_features, code), dtype=torch.uint8)
+        self._pack_quant(blocks.ctypes.data, out_features, in_features, code, data.data_ptr())
+        return QuantWeight(data, fmt, out_features, in_features)
+
+    def linear(self, x: torch.Tensor, panels: torch.Tensor | QuantWeight, out_features: int,
+               bias: torch.Tensor | None = None, act: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
         """``act(x @ W.T + bias) + residual`` of a [rows, in] ``x`` on ``W`` packed by
-        :meth:`pack_linear`; ``act`` "none" or "gelu_tanh"."""
+        :meth:`pack_linear` (fp32) or :meth:`pack_quant`; ``act`` "none" or "gelu_tanh"."""
         rows = x.shape[0]
         y = x.new_empty(rows, out_features)
+        if isinstance(panels, QuantWeight):
+            k = x.shape[1]
+            scratch = torch.empty(rows * (k + 12 * (k // QUANT_BLOCK)), dtype=torch.uint8)
+            self._linear_quant(x.data_ptr(), rows, k, panels.data.data_ptr(), QUANT_FORMATS[panels.fmt], out_features,
+                               None if bias is None else bias.data_ptr(),
+                               None if residual is None else residual.data_ptr(), ACTIVATIONS[act], y.data_ptr(),
+                               scratch.data_ptr())
+            return y
         self._linear(x.data_ptr(), rows, x.shape[1], panels.data_ptr(), out_features,
                      None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
                      ACTIVATIONS[act], y.data_ptr())

@@ -518,3 +518,317 @@ void sd_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_
         if (p0 < p1) run(&a, p0, p1);
     }
 }
+
+/* ---- Linear layers on block-quantized weights (a draft model's GGUF tensors) ----
+ *
+ * llama.cpp's two formats that this project's draft GGUFs hold, per block of 32 k of one output
+ * column: Q4_1 (w = d * q + m, q in 0..15) and Q8_0 (w = d * q, q in -128..127). As llama.cpp
+ * does, each row of x is quantised per block to int8 (x ~ s * qx, s = max|x| / 127), and a block's
+ * products are summed in int32 with AVX-512 VNNI (vpdpbusd: 64 byte products an instruction), then
+ * scaled once: d * s * sum(q qx) (+ m * sum(x) for Q4_1). Drafts need no bitwise contract; the
+ * integer sums are exact and the rest is in one fixed order per row anyway.
+ *
+ * Packed per (panel of 16 columns, block), 4 consecutive k of a column in each 32-bit lane, the
+ * GGUF bytes as they are apart from their order:
+ *   Q4_1: fp16 d[16], fp16 m[16], uint8 q[4][64]: vector v, lane c, byte i = column c's GGUF byte
+ *         4v + i (low nibble: k = 4v + i, high nibble: k = 16 + 4v + i)
+ *   Q8_0: fp16 d[16], 32 bytes unused, uint8 q[8][64]: vector v, lane c, byte i = q + 128 at k = 4v + i
+ * (0.625 and 1.125 bytes a weight). VNNI multiplies unsigned by signed bytes: the weights are the
+ * unsigned side (Q8_0's offset by 128, which comes back off as 128 * sum(qx) per row and block). */
+
+#define QBLOCK 32
+#define QPANELS 4 /* panels per tile */
+#define QMAXR 2   /* rows per tile */
+#define QPREFETCH 2 /* groups of blocks ahead */
+#define QHEAD 64 /* bytes of scales before a packed block's quants */
+enum { Q4_1 = 0, Q8_0 = 1 };
+
+int64_t sd_quant_panel_bytes(int fmt) { return QHEAD + (fmt == Q4_1 ? 256 : 512); }
+
+/* Bytes of a packed [n, k] weight: panels in groups of QPANELS (the last group zero-padded), each
+ * group's blocks interleaved (block b of its 4 panels, then block b + 1 ...) so a tile reads one
+ * sequential stream. */
+int64_t sd_quant_bytes(int64_t n, int64_t k, int fmt) {
+    int64_t groups = ((n + PANEL - 1) / PANEL + QPANELS - 1) / QPANELS;
+    return groups * QPANELS * (k / QBLOCK) * sd_quant_panel_bytes(fmt);
+}
+
+/* Where panel p's block b starts. */
+INLINE int64_t qblock_at(int64_t p, int64_t b, int64_t nb, int64_t pb) {
+    return (((p / QPANELS) * nb + b) * QPANELS + p % QPANELS) * pb;
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else { /* subnormal: normalise */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+typedef struct {
+    const int8_t *xq; /* [m, k] each row's int8 quants */
+    const float *xs, *xsum; /* [m, k / 32] per block: the scale s, the sum of x */
+    const int32_t *xq128; /* [m, k / 32] per block: 128 * sum(qx) (Q8_0's offset) */
+    const uint8_t *w;
+    const float *bias, *residual;
+    float *y;
+    int64_t m, k, n;
+    int act, fmt;
+} qlinear_args;
+
+/* One block's integer dot products of the portable build: lane c = column c's sum(q qx) for row r
+ * (Q8_0: with q + 128), the sums VNNI computes (exact in int32 either way). */
+static void qblock_base(const qlinear_args *a, const uint8_t *blk, int64_t r, int64_t b, int32_t *out) {
+    const int8_t *x = a->xq + r * a->k + b * QBLOCK;
+    for (int c = 0; c < PANEL; c++) {
+        int32_t s = 0;
+        for (int v = 0; v < (a->fmt == Q4_1 ? 4 : 8); v++)
+            for (int i = 0; i < 4; i++) {
+                uint8_t byte = blk[QHEAD + v * 64 + c * 4 + i];
+                if (a->fmt == Q4_1) s += (byte & 15) * x[4 * v + i] + (byte >> 4) * x[16 + 4 * v + i];
+                else s += byte * x[4 * v + i];
+            }
+        out[c] = s;
+    }
+}
+
+/* acc += the block's scaled sums (the same epilogue in both builds): d, m the block's scales;
+ * xs, xsum, xq128 the row's, broadcast */
+INLINE v16 qscale(int fmt, v16 d, v16 m, v16i sums, v16 xs, v16 xsum, v16i xq128, v16 acc) {
+    if (fmt == Q4_1) return acc + d * xs * __builtin_convertvector(sums, v16) + m * xsum;
+    return acc + d * xs * __builtin_convertvector(sums - xq128, v16);
+}
+
+static void qlinear_panels_base(const qlinear_args *a, int64_t p0, int64_t p1) {
+    int64_t nb = a->k / QBLOCK, pb = sd_quant_panel_bytes(a->fmt);
+    linear_args la = {NULL, NULL, a->bias, a->residual, a->y, a->m, a->k, a->n, a->act};
+    for (int64_t p = p0; p < p1; p++)
+        for (int64_t r = 0; r < a->m; r++) {
+            v16 acc = splat(0.0f);
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = a->w + qblock_at(p, b, nb, pb);
+                v16i sums;
+                int32_t s[PANEL];
+                qblock_base(a, blk, r, b, s);
+                memcpy(&sums, s, sizeof sums);
+                float d[PANEL], mn[PANEL];
+                for (int c = 0; c < PANEL; c++) {
+                    uint16_t h[2];
+                    memcpy(&h[0], blk + 2 * c, 2);
+                    memcpy(&h[1], blk + 32 + 2 * c, 2);
+                    d[c] = half_to_float(h[0]);
+                    mn[c] = a->fmt == Q4_1 ? half_to_float(h[1]) : 0.0f;
+                }
+                int32_t q128 = a->xq128[r * nb + b];
+                acc = qscale(a->fmt, load16(d), load16(mn), sums, splat(a->xs[r * nb + b]), splat(a->xsum[r * nb + b]),
+                             (v16i){q128, q128, q128, q128, q128, q128, q128, q128, q128, q128, q128, q128, q128, q128,
+                                    q128, q128}, acc);
+            }
+            store_panel(&la, r, p, acc);
+        }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+/* `rows` rows (1 or 2) against `panels` panels (1 .. QPANELS) from (m0, p0). */
+VNNI INLINE void qtile_vnni(const qlinear_args *a, int64_t m0, int64_t p0, const int rows, const int panels,
+                            const int fmt) {
+    const int64_t k = a->k, nb = k / QBLOCK, pb = sd_quant_panel_bytes(fmt);
+    const __m512i low = _mm512_set1_epi8(15);
+    v16 acc[QMAXR][QPANELS];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 8
+        for (int p = 0; p < panels; p++) acc[r][p] = splat(0.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i s[QMAXR][QPANELS];
+        const uint8_t *blk[QPANELS];
+#pragma GCC unroll 8
+        for (int p = 0; p < panels; p++) blk[p] = a->w + qblock_at(p0 + p, b, nb, pb);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++)
+#pragma GCC unroll 8
+            for (int p = 0; p < panels; p++) s[r][p] = _mm512_setzero_si512();
+        const int8_t *x = a->xq + m0 * k + b * QBLOCK;
+        /* the hardware prefetchers alone left this at half the memory's speed */
+#pragma GCC unroll 8
+        for (int p = 0; p < panels; p++)
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < pb; c += 64) _mm_prefetch((const char *)blk[p] + QPREFETCH * QPANELS * pb + c, _MM_HINT_T0);
+        if (fmt == Q4_1) {
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                __m512i lo[QPANELS], hi[QPANELS];
+#pragma GCC unroll 8
+                for (int p = 0; p < panels; p++) {
+                    __m512i q = _mm512_loadu_si512(blk[p] + QHEAD + v * 64);
+                    lo[p] = _mm512_and_si512(q, low);
+                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < rows; r++) {
+                    int32_t xl, xh;
+                    memcpy(&xl, x + r * k + 4 * v, 4);
+                    memcpy(&xh, x + r * k + 16 + 4 * v, 4);
+                    __m512i bl = _mm512_set1_epi32(xl), bh = _mm512_set1_epi32(xh);
+#pragma GCC unroll 8
+                    for (int p = 0; p < panels; p++)
+                        s[r][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p], lo[p], bl), hi[p], bh);
+                }
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) {
+                __m512i q[QPANELS];
+#pragma GCC unroll 8
+                for (int p = 0; p < panels; p++) q[p] = _mm512_loadu_si512(blk[p] + QHEAD + v * 64);
+#pragma GCC unroll 8
+                for (int r = 0; r < rows; r++) {
+                    int32_t xv;
+                    memcpy(&xv, x + r * k + 4 * v, 4);
+                    __m512i bx = _mm512_set1_epi32(xv);
+#pragma GCC unroll 8
+                    for (int p = 0; p < panels; p++) s[r][p] = _mm512_dpbusd_epi32(s[r][p], q[p], bx);
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            int64_t at = (m0 + r) * nb + b;
+            v16 xs = (v16)_mm512_set1_ps(a->xs[at]), xsum = (v16)_mm512_set1_ps(a->xsum[at]);
+            v16i xq128 = (v16i)_mm512_set1_epi32(a->xq128[at]);
+#pragma GCC unroll 8
+            for (int p = 0; p < panels; p++) {
+                v16 d = (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[p]));
+                v16 m = fmt == Q4_1 ? (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[p] + 32))) : xs;
+                acc[r][p] = qscale(fmt, d, m, (v16i)s[r][p], xs, xsum, xq128, acc[r][p]);
+            }
+        }
+    }
+    linear_args la = {NULL, NULL, a->bias, a->residual, a->y, a->m, a->k, a->n, a->act};
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++)
+#pragma GCC unroll 8
+        for (int p = 0; p < panels; p++) store_panel(&la, m0 + r, p0 + p, acc[r][p]);
+}
+
+#define QTILE_CASE(FMT)                                                                            \
+    if (panels == QPANELS) {                                                                       \
+        if (rows == 2) qtile_vnni(a, m0, p, 2, QPANELS, FMT);                                      \
+        else qtile_vnni(a, m0, p, 1, QPANELS, FMT);                                                \
+    } else                                                                                         \
+        for (int q = 0; q < panels; q++) {                                                         \
+            if (rows == 2) qtile_vnni(a, m0, p + q, 2, 1, FMT);                                    \
+            else qtile_vnni(a, m0, p + q, 1, 1, FMT);                                              \
+        }
+
+VNNI static void qlinear_panels_vnni(const qlinear_args *a, int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p += QPANELS) {
+        int panels = p1 - p < QPANELS ? (int)(p1 - p) : QPANELS;
+        for (int64_t m0 = 0; m0 < a->m; m0 += QMAXR) {
+            int rows = a->m - m0 < QMAXR ? (int)(a->m - m0) : QMAXR;
+            if (a->fmt == Q4_1) { QTILE_CASE(Q4_1) } else { QTILE_CASE(Q8_0) }
+        }
+    }
+}
+#endif
+
+typedef void (*qpanels_fn)(const qlinear_args *, int64_t, int64_t);
+static qpanels_fn pick_qpanels(void) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    const char *cap = getenv("SPECDEC_NATIVE_ISA");
+    __builtin_cpu_init();
+    if ((!cap || !strcmp(cap, "avx512")) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vnni"))
+        return qlinear_panels_vnni;
+#endif
+    return qlinear_panels_base;
+}
+
+/* "vnni" or "baseline": the quantised linears' instruction set (the baseline is for tests and
+ * machines without it: ~50x slower; specdec prefers llama.cpp's draft there). */
+const char *sd_quant_isa(void) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    if (pick_qpanels() == qlinear_panels_vnni) return "vnni";
+#endif
+    return "baseline";
+}
+
+
+/* Pack a GGUF tensor's blocks, w [n][k / 32 blocks] of Q4_1 (d, m fp16; 16 bytes of nibbles) or
+ * Q8_0 (d fp16; 32 int8) as llama.cpp stores them, into panels (above). k must be a multiple of
+ * 32 (GGUF's own rule for these types). */
+void sd_pack_quant(const uint8_t *w, int64_t n, int64_t k, int fmt, uint8_t *out) {
+    int64_t nb = k / QBLOCK, np = (n + PANEL - 1) / PANEL, pb = sd_quant_panel_bytes(fmt);
+    int64_t src = fmt == Q4_1 ? 20 : 34; /* GGUF block bytes */
+    memset(out, 0, sd_quant_bytes(n, k, fmt)); /* zero columns, the last group's padding: d = m = 0 */
+#pragma omp parallel for if (n * k >= (1 << 16))
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = out + qblock_at(p, b, nb, pb);
+            for (int64_t c = 0; c < PANEL; c++) {
+                int64_t col = p * PANEL + c;
+                if (col >= n) continue;
+                const uint8_t *blk = w + (col * nb + b) * src;
+                memcpy(dst + 2 * c, blk, 2); /* d */
+                if (fmt == Q4_1) {
+                    memcpy(dst + 32 + 2 * c, blk + 2, 2); /* m */
+                    for (int j = 0; j < 16; j++) dst[QHEAD + (j / 4) * 64 + c * 4 + j % 4] = blk[4 + j];
+                } else {
+                    for (int j = 0; j < 32; j++) dst[QHEAD + (j / 4) * 64 + c * 4 + j % 4] = (uint8_t)(blk[2 + j] ^ 0x80);
+                }
+            }
+        }
+}
+
+/* y[m, n] = act(x @ W^T + bias) + residual on W packed by sd_pack_quant. scratch: m * (k + 12 * k / 32)
+ * bytes for x's quants, scales and sums. */
+void sd_linear_quant(const float *x, int64_t m, int64_t k, const uint8_t *w, int fmt, int64_t n, const float *bias,
+                     const float *residual, int act, float *y, uint8_t *scratch) {
+    static qpanels_fn run = NULL;
+    if (!run) run = pick_qpanels();
+    int64_t nb = k / QBLOCK, np = (n + PANEL - 1) / PANEL;
+    int8_t *xq = (int8_t *)scratch;
+    float *xs = (float *)(scratch + m * k), *xsum = xs + m * nb;
+    int32_t *xq128 = (int32_t *)(xsum + m * nb);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * k + b * QBLOCK;
+            float amax = 0.0f, sum = 0.0f;
+            for (int i = 0; i < QBLOCK; i++) {
+                amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+                sum += xb[i];
+            }
+            float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
+            int32_t qsum = 0;
+            for (int i = 0; i < QBLOCK; i++) {
+                int q = (int)lrintf(xb[i] * inv);
+                xq[r * k + b * QBLOCK + i] = (int8_t)q;
+                qsum += q;
+            }
+            xs[r * nb + b] = s;
+            xsum[r * nb + b] = sum;
+            xq128[r * nb + b] = 128 * qsum;
+        }
+    qlinear_args a = {xq, xs, xsum, xq128, w, bias, residual, y, m, k, n, act, fmt};
+#pragma omp parallel if (m * n * k >= (1 << 15))
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t per = (np / nt + QPANELS - 1) / QPANELS * QPANELS;
+        int64_t p0 = t * per, p1 = t == nt - 1 ? np : p0 + per;
+        if (p0 > np) p0 = np;
+        if (p1 > np) p1 = np;
+        if (p0 < p1) run(&a, p0, p1);
+    }
+}

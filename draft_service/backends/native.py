@@ -1,0 +1,50 @@
+"""Draft backend on specdec's own kernels: a GGUF draft (Q4_1 / Q8_0) run by specdec.runner.
+
+The same file the llamacpp backend runs (the embedded Q4_1 draft, or any model converted to GGUF),
+loaded by specdec.gguf_model: its linears compute on the file's quantised blocks with AVX-512 VNNI
+(specdec.native), everything else on the runner the target uses, sessions on the engine's KV
+buffers. On the machines measured a draft token costs ~40 % less than through llama.cpp
+(docs/performance.md, "A draft on specdec's kernels"). Batching, prefix reuse, crop and
+eviction are the transformers backend's, since the engine is the same.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from draft_service.backends.hf import TransformersProposer
+from draft_service.proposer import Proposer
+from specdec.engine import CachedCausalLM, ModelInfo
+from specdec.gguf_convert import draft_gguf
+from specdec.gguf_model import file_type, load_gguf
+from specdec.models import gguf_tokenizer_fingerprint
+from specdec.sessions import SessionStore
+
+if TYPE_CHECKING:
+    from draft_service.settings import DraftSettings
+
+
+class NativeProposer(TransformersProposer):
+    backend = "native"
+
+    def __init__(self, path: Path, store: SessionStore, max_draft_tokens: int, overlap_threads: int = 0) -> None:
+        Proposer.__init__(self, store, max_draft_tokens)
+        self.overlap_threads = overlap_threads
+        model, quant, gguf = load_gguf(path)
+        self.lm = CachedCausalLM(model, store, quant=quant)
+        if self.lm.runner is None:
+            raise ValueError(f"{path.name}: specdec's runner does not cover this model (see the log)")
+        fingerprint, _, eos = gguf_tokenizer_fingerprint(gguf)
+        self._info = ModelInfo(
+            model_id=str(path), architecture=(model.config.architectures or [type(model).__name__])[0],
+            vocab_size=self.lm.vocab_size, tokenizer_fingerprint=fingerprint, max_context=self.lm.max_context,
+            dtype=file_type(gguf), device="cpu", backend=self.backend, max_draft_tokens=max_draft_tokens,
+            eos_token_ids=sorted(eos),
+        )
+        self._eos = set(eos)
+
+    @classmethod
+    def from_settings(cls, settings: DraftSettings) -> NativeProposer:
+        path = draft_gguf(settings.model, settings.target_model, settings.quant, settings.cache_dir)
+        return cls(path, SessionStore.from_settings(settings), settings.max_draft_tokens, settings.overlap_threads)
