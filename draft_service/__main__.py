@@ -17,10 +17,16 @@ logger = logging.getLogger("draft_service")
 def main() -> None:
     settings = DraftSettings(_cli_parse_args=True)
     configure_logging(settings.log_level)
+    from draft_service.backends import create_proposer, resolve_backend
+
+    try:  # auto: native or llamacpp, decided before torch's threads are set
+        settings.backend = resolve_backend(settings)  # may convert the model first (once, cached)
+    except SpecdecError as exc:  # a missing model, a conversion that cannot be done: say so, no traceback
+        logger.error("cannot start the draft service: %s", exc)
+        raise SystemExit(2) from None
     # With llama.cpp (or n-gram), torch only samples between decodes: one thread, no OpenMP
     # workers of its own; llama.cpp's threads follow SPECDEC_DRAFT_THREADS (its backend).
     configure_torch(settings.threads if settings.backend in ("transformers", "native") else 1)
-    from draft_service.backends import create_proposer
     from draft_service.servicer import build_server
     from specdec.auth import server_security
 
@@ -29,7 +35,7 @@ def main() -> None:
     # this (main) thread loads the model and runs every forward pass
     compute = ComputeThread.from_settings(settings, service="draft")
     try:
-        proposer = create_proposer(settings)  # with llamacpp, may convert the model first (once, cached)
+        proposer = create_proposer(settings)
     except SpecdecError as exc:  # a missing model, a conversion that cannot be done: say so, no traceback
         logger.error("cannot start the draft service: %s", exc)
         raise SystemExit(2) from None

@@ -17,10 +17,11 @@ class DraftSettings(ModelServiceSettings):
 
     model_config = SettingsConfigDict(env_prefix="SPECDEC_DRAFT_", cli_prog_name="python -m draft_service")
 
-    backend: Literal["llamacpp", "native", "transformers", "ngram"] = Field(
-        "llamacpp", description="Draft backend: llamacpp (GGUF), native (the same GGUF on specdec's own kernels: Llama "
-                                "and GPT-2 files, Q4_1 / Q8_0 linears, AVX-512 VNNI), transformers (any causal LM), "
-                                "ngram (prompt lookup)."
+    backend: Literal["auto", "native", "llamacpp", "transformers", "ngram"] = Field(
+        "auto", description="Draft backend: native (a GGUF draft on specdec's own kernels: Llama and GPT-2 files of "
+                            "Q4_1 / Q8_0 linears, on CPUs with AVX-512 VNNI), llamacpp (any GGUF, llama.cpp), auto "
+                            "(native where it applies, else llamacpp; the log says which and why), transformers (any "
+                            "causal LM), ngram (prompt lookup).",
     )
     model: str = Field(
         EMBEDDED,
@@ -31,7 +32,7 @@ class DraftSettings(ModelServiceSettings):
     )
     quant: Literal[QUANTS] = Field(  # type: ignore[valid-type]
         DEFAULT_QUANT,
-        description="llamacpp backend: the GGUF type a converted model gets (not the shipped embedded file, nor a "
+        description="native and llamacpp backends: the GGUF type a converted model gets (not the shipped embedded file, nor a "
                     ".gguf file given as model); q8_0 measured fastest end to end: lower types cost less per "
                     "token but lose more acceptance than that saves (docs/benchmarks.md).",
     )

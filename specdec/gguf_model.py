@@ -152,7 +152,8 @@ def _state_dict(gguf: GGUFFile, model: Any, arch: str) -> tuple[dict[str, torch.
         if name in linear_names and tensor.type_name in QUANT_FORMATS:
             blocks[target] = (tensor.type_name, np.ascontiguousarray(raw))
         values = dequantize(raw, tensor.type).reshape(tuple(reversed(tensor.shape)))
-        weight = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        weight = torch.from_numpy(values if values.flags.writeable else values.copy())  # F32: a view of the file
         if arch == "gpt2" and name in linear_names:
             weight = weight.T.contiguous()  # Conv1D keeps [in, out]
         state[target] = weight

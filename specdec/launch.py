@@ -31,10 +31,10 @@ PROCESSES: dict[str, str] = {
 # keeps the two equal); a variable set in the environment wins over its pair's value.
 PAIRS: dict[str, dict[str, str]] = {
     "embedded": {"SPECDEC_TARGET_MODEL": "embedded", "SPECDEC_DRAFT_MODEL": "embedded",
-                 "SPECDEC_DRAFT_BACKEND": "llamacpp"},
-    # DistilGPT-2 converted to GGUF for llama.cpp on the draft's first start (specdec.gguf_convert)
+                 "SPECDEC_DRAFT_BACKEND": "auto"},
+    # DistilGPT-2 converted to GGUF (Q8_0) on the draft's first start (specdec.gguf_convert)
     "gpt2": {"SPECDEC_TARGET_MODEL": "gpt2", "SPECDEC_DRAFT_MODEL": "distilgpt2",
-             "SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_QUANT": "q8_0"},
+             "SPECDEC_DRAFT_BACKEND": "auto", "SPECDEC_DRAFT_QUANT": "q8_0"},
 }
 
 

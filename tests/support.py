@@ -92,6 +92,37 @@ PROMPTS = [
 ]
 
 
+# Tiny random models with the embedded model's byte-level BPE tokenizer: what llama.cpp's converter
+# turns into GGUF drafts (specdec.gguf_convert) for the native and llamacpp draft backends.
+BPE_VOCAB = 49152  # the embedded tokenizer's
+
+
+def make_bpe_model(folder: Path, arch: str, seed: int = 0) -> Path:
+    """A tiny random model of ``arch`` (gpt2, llama, opt) with the embedded tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(seed)
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=BPE_VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=2,
+                                           bos_token_id=1, eos_token_id=2))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=BPE_VOCAB, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=256, bos_token_id=1, eos_token_id=2))
+    else:
+        model = OPTForCausalLM(OPTConfig(vocab_size=BPE_VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                         num_attention_heads=2, max_position_embeddings=256, word_embed_proj_dim=64,
+                                         bos_token_id=1, eos_token_id=2))
+    # Sharper logits than the default init, so greedy choices are not near-ties everywhere.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    model.save_pretrained(folder)
+    from specdec.models import load_tokenizer
+
+    load_tokenizer("embedded").save_pretrained(folder)
+    return folder
+
+
 def gen(url: str, **body) -> dict:
     r = httpx.post(url + "/v1/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from draft_service.proposer import Proposer
     from draft_service.settings import DraftSettings
+
+logger = logging.getLogger(__name__)
 
 
 def _transformers(settings: DraftSettings) -> Proposer:
@@ -43,5 +46,40 @@ BACKENDS: dict[str, Callable[[DraftSettings], Proposer]] = {
 }
 
 
+def native_unavailable(settings: DraftSettings) -> str | None:
+    """None when the native backend serves this draft well, else why not (``auto`` then takes
+    llamacpp): the draft's GGUF must be a Llama or GPT-2 file of Q4_1 or Q8_0 linears, and this
+    CPU must have AVX-512 VNNI (the portable kernel is correct but far slower than llama.cpp)."""
+    from specdec.gguf_convert import draft_gguf
+    from specdec.gguf_file import GGUFFile
+    from specdec.gguf_model import file_type, unsupported
+    from specdec.native import QUANT_FORMATS, kernels
+
+    native = kernels()
+    if native is None:
+        return "specdec.native is unavailable (see the log)"
+    if native.quant_isa != "vnni":
+        return f"this CPU has no AVX-512 VNNI (specdec.native's quantised linears run {native.quant_isa})"
+    gguf = GGUFFile(draft_gguf(settings.model, settings.target_model, settings.quant, settings.cache_dir))
+    why = unsupported(gguf)
+    if why is None and file_type(gguf) not in QUANT_FORMATS:
+        why = f"a {file_type(gguf)} file (specdec.native reads {' and '.join(QUANT_FORMATS)})"
+    return why
+
+
+def resolve_backend(settings: DraftSettings) -> str:
+    """The backend ``settings.backend`` names; for ``auto``, native where :func:`native_unavailable`
+    finds nothing against it, else llamacpp (the reason logged)."""
+    if settings.backend != "auto":
+        return settings.backend
+    why = native_unavailable(settings)
+    if why is None:
+        logger.info("draft backend auto: native (the GGUF draft on specdec's kernels)")
+        return "native"
+    logger.info("draft backend auto: llamacpp, not native: %s", why)
+    return "llamacpp"
+
+
 def create_proposer(settings: DraftSettings) -> Proposer:
-    return BACKENDS[settings.backend](settings)
+    """The proposer of ``settings.backend`` (``auto`` resolved first, see :func:`resolve_backend`)."""
+    return BACKENDS[resolve_backend(settings)](settings)

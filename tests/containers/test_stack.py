@@ -300,7 +300,7 @@ def test_gpt2_pair_resolves(stack: Stack) -> None:
     config = json.loads(stack.compose("config", "--format", "json", SPECDEC_PAIR="gpt2").stdout)
     draft, target = config["services"]["draft"], config["services"]["target"]
     assert (target["environment"]["SPECDEC_TARGET_MODEL"], draft["environment"]["SPECDEC_DRAFT_MODEL"],
-            draft["environment"]["SPECDEC_DRAFT_BACKEND"]) == ("gpt2", "distilgpt2", "llamacpp")
+            draft["environment"]["SPECDEC_DRAFT_BACKEND"]) == ("gpt2", "distilgpt2", "auto")
     assert {"hub", "models", "grpc"} <= set(draft["networks"]) and draft["environment"]["HF_HUB_OFFLINE"] == "0"
     assert config["services"]["draft"]["image"] == stack.env["SPECDEC_IMAGE"]
 

@@ -18,38 +18,8 @@ from specdec import gguf_convert
 from specdec.errors import NotFound
 from specdec.gguf_convert import ConversionError, draft_gguf, ensure_gguf
 from specdec.models import embedded_gguf_path, gguf_tokenizer_fingerprint, load_tokenizer, tokenizer_fingerprint
-from tests.support import ROOT
-
-VOCAB = 49152  # the embedded tokenizer's
-
-
-def _bpe_tokenizer(folder: Path) -> None:
-    load_tokenizer("embedded").save_pretrained(folder)
-
-
-def make_bpe_model(folder: Path, arch: str, seed: int = 0) -> Path:
-    """A tiny random model of ``arch`` (gpt2, llama, opt) with the embedded tokenizer."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(seed)
-    if arch == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=2,
-                                           bos_token_id=1, eos_token_id=2))
-    elif arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=256, bos_token_id=1, eos_token_id=2))
-    else:
-        model = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-                                         num_attention_heads=2, max_position_embeddings=256, word_embed_proj_dim=64,
-                                         bos_token_id=1, eos_token_id=2))
-    # Sharper logits than the default init, so greedy choices are not near-ties everywhere.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8)
-    model.save_pretrained(folder)
-    _bpe_tokenizer(folder)
-    return folder
-
+from tests.support import BPE_VOCAB as VOCAB
+from tests.support import ROOT, make_bpe_model
 
 @pytest.fixture(scope="module")
 def bpe_models(tmp_path_factory) -> dict[str, Path]:

@@ -260,3 +260,102 @@ def test_linears_on_every_instruction_set_agree(tmp_path):
     fast = got.get("avx512", got.get("avx2"))
     if fast is not None:
         assert torch.allclose(fast, got["baseline"], rtol=1e-5, atol=1e-5)
+
+
+# ---- Linears on GGUF-quantised blocks (the native draft backend) ----
+
+def _gguf_blocks(fmt: str, n: int, k: int, seed: int = 0):
+    """Random weights quantised by the gguf package (llama.cpp's own quantiser, in numpy): the raw
+    blocks [n, k / 32 * block bytes] and their dequantised fp32 values [n, k]."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[fmt]
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    blocks = quantize(w, qtype)
+    return blocks, torch.from_numpy(dequantize(blocks, qtype).reshape(n, k).astype(np.float32))
+
+
+def _quant_reference(x: torch.Tensor, w: torch.Tensor, fmt: str, blocks) -> torch.Tensor:
+    """What the kernel computes, in float64: x quantised per block of 32 to int8 as llama.cpp does
+    (s = max|x| / 127, q = round(x / s)), dotted with the dequantised weights block by block."""
+    import numpy as np
+
+    rows, k = x.shape
+    xb = x.double().view(rows, k // 32, 32)
+    s = xb.abs().amax(-1, keepdim=True) / 127
+    qx = torch.where(s > 0, torch.round(xb / torch.where(s > 0, s, 1)), 0)
+    xq = (qx * s).view(rows, k)
+    if fmt == "Q4_1":  # its min term multiplies the exact block sum of x, not the quantised one
+        raw = np.asarray(blocks).reshape(w.shape[0], k // 32, 20)
+        m = torch.from_numpy(raw[:, :, 2:4].copy().view(np.float16).astype(np.float64)[:, :, 0])  # [n, blocks]
+        return (xq @ (w.double() - m.repeat_interleave(32, 1)).T + xb.sum(-1) @ m.T).float()
+    return (xq @ w.double().T).float()
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n", [16, 40, 80, 192])
+def test_quantised_linear_computes_the_block_sums(native, fmt, n):
+    """Each row's output is its int8-quantised blocks dotted with the weights' blocks, scaled: the
+    float64 reference to fp32 rounding, for 1 to 5 rows, output counts on and off the 16-column
+    panel and the 4-panel group, with a bias, a residual and tanh-GELU fused."""
+    k = 96
+    blocks, w = _gguf_blocks(fmt, n, k, seed=n)
+    packed = native.pack_quant(blocks, fmt, n, k)
+    gen = torch.Generator().manual_seed(1)
+    bias, residual = torch.randn(n, generator=gen), torch.randn(5, n, generator=gen)
+    for rows in range(1, 6):
+        x = torch.randn(rows, k, generator=gen)
+        want = _quant_reference(x, w, fmt, blocks)
+        got = native.linear(x, packed, n)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (rows, (got - want).abs().max())
+        fused = native.linear(x, packed, n, bias, "gelu_tanh", residual[:rows].contiguous())
+        assert torch.allclose(fused, F.gelu(want + bias, approximate="tanh") + residual[:rows], rtol=1e-4, atol=1e-4)
+        # within the int8 rounding of x of the exact product
+        assert torch.allclose(got, x @ w.T, rtol=0.05, atol=0.05 * float((x @ w.T).abs().max()))
+    rows = torch.cat([native.linear(x[i:i + 1].contiguous(), packed, n) for i in range(x.shape[0])])
+    assert torch.equal(native.linear(x, packed, n), rows)  # a row's result never depends on the others
+
+
+def test_quantised_weights_are_checked_when_packed(native):
+    blocks, _ = _gguf_blocks("Q8_0", 16, 64)
+    with pytest.raises(ValueError, match="Q4_K"):
+        native.pack_quant(blocks, "Q4_K", 16, 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.pack_quant(blocks, "Q8_0", 16, 48)
+    with pytest.raises(ValueError, match="expected"):
+        native.pack_quant(blocks, "Q4_1", 16, 64)  # Q8_0 bytes read as Q4_1
+
+
+_QUANT_ISA_SCRIPT = """
+import sys, numpy as np, torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
+from specdec.native import kernels
+k = kernels()
+w = np.random.default_rng(3).standard_normal((72, 128)).astype(np.float32)
+x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
+ys = [k.linear(x, k.pack_quant(quantize(w, GGMLQuantizationType[f]), f, 72, 128), 72) for f in ("Q4_1", "Q8_0")]
+torch.save(ys, sys.argv[1])
+print(k.quant_isa)
+"""
+
+
+def test_quantised_linears_agree_on_every_instruction_set(tmp_path):
+    """The portable quantised linear (machines without AVX-512 VNNI, or capped by
+    SPECDEC_NATIVE_ISA) sums the same integers as the VNNI one: the same results to fp32 rounding."""
+    import subprocess
+    import sys
+
+    got = {}
+    for cap in ("avx512", "baseline"):
+        out = tmp_path / f"{cap}.pt"
+        done = subprocess.run([sys.executable, "-c", _QUANT_ISA_SCRIPT, str(out)], capture_output=True, text=True,
+                              env={**os.environ, "SPECDEC_NATIVE_ISA": cap}, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        got[done.stdout.split()[-1]] = torch.load(out)
+    assert "baseline" in got
+    if "vnni" in got:
+        for fast, base in zip(got["vnni"], got["baseline"], strict=True):
+            assert torch.allclose(fast, base, rtol=1e-5, atol=1e-5)

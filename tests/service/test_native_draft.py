@@ -1,0 +1,199 @@
+"""The native draft backend: GGUF drafts (the embedded Q4_1 file, tiny random models converted by
+llama.cpp's own converter) read by specdec.gguf_file, built into transformers models by
+specdec.gguf_model and run on specdec.native's quantised linears; against the gguf package's
+reader, transformers' own GGUF loader and the llama.cpp backend on the same file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from draft_service.backends import native_unavailable, resolve_backend
+from draft_service.backends.llamacpp import LlamaCppProposer
+from draft_service.backends.native import NativeProposer
+from draft_service.settings import DraftSettings
+from specdec.gguf_convert import ensure_gguf
+from specdec.gguf_file import GGUFError, GGUFFile
+from specdec.gguf_model import load_gguf
+from specdec.models import embedded_gguf_path, load_tokenizer
+from specdec.native import kernels
+from specdec.sessions import SessionStore
+from tests.support import ROOT, make_bpe_model
+
+VNNI = (k := kernels()) is not None and k.quant_isa == "vnni"
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was", "1, 2, 3, 4,",
+         "Speculative decoding lets a small model", "The weather today"]
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory) -> dict[str, object]:
+    """Tiny gpt2 and llama models converted at f16 and q8_0, and the folders they came from."""
+    root, cache = tmp_path_factory.mktemp("bpe"), tmp_path_factory.mktemp("gguf-cache")
+    out: dict[str, object] = {}
+    for arch in ("gpt2", "llama"):
+        folder = make_bpe_model(root / arch, arch)
+        out[arch] = folder
+        for quant in ("f16", "q8_0"):
+            out[f"{arch}-{quant}"] = ensure_gguf(str(folder), quant, cache)
+    return out
+
+
+def _fields_of(reader) -> dict[str, object]:
+    from gguf.constants import GGUFValueType
+
+    fields = {}
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        values = [f.parts[i] for i in f.data]
+        if f.types[-1] == GGUFValueType.STRING:
+            values = [bytes(v).decode() for v in values]
+        else:
+            values = [v.tolist()[0] for v in values]
+        fields[name] = values if f.types[0] == GGUFValueType.ARRAY else values[0]
+    return fields
+
+
+@pytest.mark.parametrize("which", ["embedded", "gpt2-q8_0", "llama-f16"])
+def test_the_reader_reads_what_the_gguf_package_reads(ggufs, which):
+    from gguf import GGUFReader
+
+    path = embedded_gguf_path() if which == "embedded" else ggufs[which]
+    ours, theirs = GGUFFile(path), GGUFReader(str(path))
+    want = _fields_of(theirs)
+    assert ours.fields.keys() == want.keys()
+    for key, value in want.items():
+        assert ours.fields[key] == pytest.approx(value) if isinstance(value, float) else ours.fields[key] == value, key
+    assert list(ours.tensors) == [t.name for t in theirs.tensors]
+    for t in theirs.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.type == t.tensor_type and mine.shape == tuple(int(d) for d in t.shape)
+        assert np.array_equal(np.asarray(mine.data).reshape(-1).view(np.uint8), np.asarray(t.data).reshape(-1).view(np.uint8))
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf file at all, just bytes" * 4)
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        GGUFFile(bad)
+
+
+def _logits(model, text: str) -> torch.Tensor:
+    ids = torch.tensor([load_tokenizer("embedded")(text)["input_ids"]])
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_model_is_its_checkpoint_with_the_files_weights(ggufs, arch):
+    """specdec.gguf_model builds the model the file was converted from: on the f16 file, the
+    original checkpoint with its matrices rounded to fp16 (what the converter stores; vectors stay
+    fp32) gives the same logits, to the rounding of the norms' epsilon (the file keeps it as fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    ours, quant, _ = load_gguf(ggufs[f"{arch}-f16"])
+    original = AutoModelForCausalLM.from_pretrained(str(ggufs[arch]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in original.parameters():
+            if p.dim() == 2:
+                p.copy_(p.half().float())
+    text = TEXTS[0] + " " + TEXTS[4]
+    assert torch.allclose(_logits(ours, text), _logits(original, text), rtol=1e-3, atol=2e-3)
+    assert not quant  # f16 linears keep their fp32 copy
+
+
+def test_the_model_is_the_one_transformers_loads_from_the_file(ggufs):
+    """On a Q8_0 Llama file, transformers' own ``from_pretrained(gguf_file=...)`` builds the same
+    model (both dequantise with the gguf package and un-permute q and k the same way). Its GPT-2
+    loader drops the file's context length (a 256-position table becomes 1,024), so GPT-2 is
+    checked against its checkpoint above instead."""
+    from transformers import AutoModelForCausalLM
+
+    path = ggufs["llama-q8_0"]
+    ours, quant, _ = load_gguf(path)
+    theirs = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    text = TEXTS[2] + " " + TEXTS[5]
+    assert torch.allclose(_logits(ours, text), _logits(theirs, text), rtol=1e-4, atol=1e-4)
+    assert len(quant) == 15  # 7 linears a layer and the lm_head on their Q8_0 blocks
+
+
+def _drafts(proposer, prompts: list[list[int]], k: int) -> list[list[int]]:
+    return [proposer.propose(f"s{i}", p, k).tokens for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_native_drafts_like_llamacpp_on_the_same_file(ggufs, arch):
+    """On the same Q8_0 file, the native backend proposes what llama.cpp proposes: both quantise x
+    to int8 per block and sum in their own orders, so a draft may part at a near-tie; at most 1
+    token in 10 may differ, counted from where the two part."""
+    k = 8
+    path = ggufs[f"{arch}-q8_0"]
+    tok = load_tokenizer(str(ggufs[arch]))
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    native = NativeProposer(path, SessionStore(8, 1 << 30, 0), k)
+    ll = LlamaCppProposer(str(path), 8, 64 << 20, 0, k, threads=1)
+    a, b = _drafts(native, prompts, k), _drafts(ll, prompts, k)
+    assert all(len(x) == k for x in a + b)
+    parted = [next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), k) for x, y in zip(a, b, strict=True)]
+    assert sum(k - i for i in parted) <= len(prompts) * k // 10, (a, b)
+    info = native.model_info
+    assert (info.backend, info.dtype, info.tokenizer_fingerprint) == ("native", "Q8_0", ll.model_info.tokenizer_fingerprint)
+    assert native.lm.fast_linears.quantised == (9 if arch == "gpt2" else 15)  # every linear and the lm_head
+
+
+def test_embedded_draft_keeps_its_sessions_and_agrees_with_its_fp32_forward():
+    """The embedded Q4_1 draft on its blocks: a session's second Propose reuses its cache, and the
+    drafted tokens are the greedy choices of the same model's transformers forward on the
+    dequantised weights, apart from near-ties the int8 rounding of activations may flip."""
+    path = embedded_gguf_path()
+    proposer = NativeProposer(path, SessionStore(8, 1 << 30, 0), 16)
+    model, _, _ = load_gguf(path)
+    tok = load_tokenizer("embedded")
+    prompt = tok("The three primary colours are red, yellow and")["input_ids"]
+    first = proposer.propose("a", prompt, 8)
+    second = proposer.propose("a", prompt + first.tokens[:3], 8)
+    assert second.cached_tokens == len(prompt) + 2  # all but the last known token came from the cache
+    ids = torch.tensor([prompt + first.tokens])
+    with torch.no_grad():
+        greedy = model(ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+    assert sum(a == b for a, b in zip(greedy, first.tokens, strict=True)) >= 7, (greedy, first.tokens)
+
+
+def test_auto_takes_native_where_it_applies_and_says_why_not(ggufs):
+    settings = DraftSettings(_cli_parse_args=[], backend="auto")
+    why = native_unavailable(settings)
+    assert (why is None) == VNNI, why
+    assert resolve_backend(settings) == ("native" if VNNI else "llamacpp")
+    f16 = DraftSettings(_cli_parse_args=[], backend="auto", model=str(ggufs["llama-f16"]))
+    assert resolve_backend(f16) == "llamacpp"
+    assert "a F16 file" in native_unavailable(f16) if VNNI else "VNNI" in native_unavailable(f16)
+    assert resolve_backend(DraftSettings(_cli_parse_args=[], backend="llamacpp")) == "llamacpp"
+
+
+def test_auto_without_vnni_runs_llama_cpp(tmp_path):
+    """A CPU without AVX-512 VNNI (capped here by SPECDEC_NATIVE_ISA) gets the llama.cpp draft."""
+    script = ("from draft_service.backends import resolve_backend\n"
+              "from draft_service.settings import DraftSettings\n"
+              "print(resolve_backend(DraftSettings(_cli_parse_args=[], backend='auto')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "SPECDEC_NATIVE_ISA": "avx2", "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "llamacpp"
+
+
+def test_an_architecture_outside_the_runners_is_refused_by_name(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "falcon.gguf"
+    writer = GGUFWriter(str(path), "falcon")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'falcon'"):
+        load_gguf(path)
