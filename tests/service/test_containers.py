@@ -140,7 +140,7 @@ def test_docker_compose_resolves_the_embedded_pair_by_default() -> None:
     config = resolved(COMPOSE)
     draft, target = config["services"]["draft"], config["services"]["target"]
     assert draft["environment"]["SPECDEC_DRAFT_MODEL"] == "embedded"
-    assert draft["environment"]["SPECDEC_DRAFT_BACKEND"] == "llamacpp"
+    assert draft["environment"]["SPECDEC_DRAFT_BACKEND"] == "auto"
     assert target["environment"]["SPECDEC_TARGET_MODEL"] == "embedded"
     # Offline: no network with a way out, and the hub is never asked.
     assert set(draft["networks"]) == set(target["networks"]) == {"models"}
@@ -154,7 +154,7 @@ def test_one_variable_switches_to_gpt2_and_distilgpt2() -> None:
     draft, target = config["services"]["draft"], config["services"]["target"]
     assert draft["environment"]["SPECDEC_DRAFT_MODEL"] == "distilgpt2"
     # DistilGPT-2 converted for llama.cpp on the draft's first start, kept in a volume of its own
-    assert draft["environment"]["SPECDEC_DRAFT_BACKEND"] == "llamacpp"
+    assert draft["environment"]["SPECDEC_DRAFT_BACKEND"] == "auto"
     assert draft["environment"]["SPECDEC_DRAFT_QUANT"] == "q8_0"
     assert target["environment"]["SPECDEC_TARGET_MODEL"] == "gpt2"
     # They download from the hub on first start, into the shared volume.
@@ -210,7 +210,7 @@ def test_docker_compose_merges_the_gpu_override() -> None:
     assert services["draft"]["environment"].get("SPECDEC_DRAFT_GPU_LAYERS", "0") == "0"
     # what compose.yaml sets stays (memory limit, model, the draft's llama.cpp backend)
     assert services["target"]["deploy"]["resources"]["limits"]["memory"]
-    assert services["draft"]["environment"]["SPECDEC_DRAFT_BACKEND"] == "llamacpp"
+    assert services["draft"]["environment"]["SPECDEC_DRAFT_BACKEND"] == "auto"
     # another CUDA variant or device by the same variables as without the override
     other = resolved(COMPOSE, COMPOSE_GPU, SPECDEC_IMAGE="specdec:cu126", SPECDEC_TORCH_VARIANT="cu126",
                      SPECDEC_TARGET_DEVICE="cuda:1")["services"]
@@ -323,16 +323,16 @@ def test_pairs_set_the_model_variables(services: dict) -> None:
         return {k: default_of(v) for k, v in services[pair]["environment"].items() if k != "HF_HUB_OFFLINE"}
 
     assert defaults("pair-embedded") == {"SPECDEC_TARGET_MODEL": "embedded", "SPECDEC_DRAFT_MODEL": "embedded",
-                                         "SPECDEC_DRAFT_BACKEND": "llamacpp"}
+                                         "SPECDEC_DRAFT_BACKEND": "auto"}
     assert defaults("pair-gpt2") == {"SPECDEC_TARGET_MODEL": "gpt2", "SPECDEC_DRAFT_MODEL": "distilgpt2",
-                                     "SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_QUANT": "q8_0"}
+                                     "SPECDEC_DRAFT_BACKEND": "auto", "SPECDEC_DRAFT_QUANT": "q8_0"}
     for pair in ("pair-embedded", "pair-gpt2"):  # each may be overridden by the variable of its own name
         for key, value in services[pair]["environment"].items():
             if key != "HF_HUB_OFFLINE":
                 assert variable_of(value) == key
     # The embedded defaults are the settings' own.
     assert DraftSettings.model_fields["model"].default == TargetSettings.model_fields["model"].default == "embedded"
-    assert DraftSettings.model_fields["backend"].default == "llamacpp"
+    assert DraftSettings.model_fields["backend"].default == "auto"
 
 
 def test_memory_limits_leave_room_beyond_the_kv_budgets(services: dict) -> None:

@@ -521,7 +521,7 @@ def models(docs: list[dict]) -> tuple[str, str, str]:
 @pytest.mark.parametrize("overlay", ("embedded", "gpu"))
 def test_embedded_pair_is_offline(rendered, overlay):
     docs = rendered[overlay]
-    assert models(docs) == ("embedded", "embedded", "llamacpp")
+    assert models(docs) == ("embedded", "embedded", "auto")
     for name in ("draft", "target", "orchestrator"):
         assert environment(docs, name)["HF_HUB_OFFLINE"] == "1", name
     assert not objects(docs, "PersistentVolumeClaim")
@@ -537,7 +537,7 @@ def test_gpt2_pair_mirrors_compose(rendered):
         match = re.fullmatch(r"\$\{\w+:-([^}]*)\}", str(value))
         return match.group(1) if match else str(value)
 
-    assert models(docs) == ("gpt2", "distilgpt2", "llamacpp")
+    assert models(docs) == ("gpt2", "distilgpt2", "auto")
     assert environment(docs, "draft")["SPECDEC_DRAFT_QUANT"] == default(pair["SPECDEC_DRAFT_QUANT"])
     assert models(docs) == tuple(default(pair[v]) for v in
                                  ("SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL", "SPECDEC_DRAFT_BACKEND"))

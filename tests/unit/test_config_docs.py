@@ -59,7 +59,7 @@ def test_values_and_bounds_are_rendered() -> None:
     from draft_service.settings import DraftSettings
 
     fields = DraftSettings.model_fields
-    assert configdoc.describe_type(fields["backend"].annotation) == "one of `llamacpp`, `transformers`, `ngram`"
+    assert configdoc.describe_type(fields["backend"].annotation) == "one of `auto`, `native`, `llamacpp`, `transformers`, `ngram`"
     assert configdoc.describe_type(fields["metrics_port"].annotation) == "int or unset"
     assert configdoc.describe_constraints(fields["port"]) == "≥ 0, ≤ 65535"
     assert configdoc.describe_constraints(fields["kv_budget_mb"]) == "> 0"
