@@ -111,9 +111,12 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, per, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _state_dict(gguf: GGUFFile, model: Any, arch: str) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray]]]:
-    """The model's fp32 state dict from the file (every tensor dequantised), and the raw blocks of
-    the Q4_1 / Q8_0 linears by parameter name."""
+def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool
+                ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray]]]:
+    """The model's fp32 state dict from the file, and the raw blocks of the Q4_1 / Q8_0 linears by
+    parameter name. Those linears get an unwritten fp32 tensor of their shape unless
+    ``dequantize_blocks`` (the engine packs their blocks and frees it: never touched, it costs
+    no memory)."""
     from gguf.quants import dequantize
 
     config = model.config
@@ -151,6 +154,10 @@ def _state_dict(gguf: GGUFFile, model: Any, arch: str) -> tuple[dict[str, torch.
             raw = _unpermute(raw, heads)
         if name in linear_names and tensor.type_name in QUANT_FORMATS:
             blocks[target] = (tensor.type_name, np.ascontiguousarray(raw))
+            if not dequantize_blocks and name != "token_embd.weight":
+                shape = tuple(reversed(tensor.shape))
+                state[target] = torch.empty(shape[::-1] if arch == "gpt2" else shape)
+                continue
         values = dequantize(raw, tensor.type).reshape(tuple(reversed(tensor.shape)))
         values = np.ascontiguousarray(values, dtype=np.float32)
         weight = torch.from_numpy(values if values.flags.writeable else values.copy())  # F32: a view of the file
@@ -165,10 +172,12 @@ def _state_dict(gguf: GGUFFile, model: Any, arch: str) -> tuple[dict[str, torch.
     return state, blocks
 
 
-def load_gguf(path: Path) -> tuple[Any, dict[int, tuple[str, np.ndarray]], GGUFFile]:
+def load_gguf(path: Path, dequantize_blocks: bool = True) -> tuple[Any, dict[int, tuple[str, np.ndarray]], GGUFFile]:
     """The causal LM in the GGUF file ``path`` (transformers, fp32, eval mode), its quantised
     linears' raw blocks by ``id(module)`` (``quant`` for specdec.engine), and the parsed file.
-    Raises ValueError when :func:`unsupported` names a reason."""
+    ``dequantize_blocks`` False leaves those linears' fp32 weights unwritten (for an engine that
+    packs the blocks: transformers' own forward is then meaningless). Raises ValueError when
+    :func:`unsupported` names a reason."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -180,7 +189,7 @@ def load_gguf(path: Path) -> tuple[Any, dict[int, tuple[str, np.ndarray]], GGUFF
     config = _config(gguf)
     with no_init_weights():  # every parameter comes from the file: no random initialisation first
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state, blocks = _state_dict(gguf, model, arch)
+    state, blocks = _state_dict(gguf, model, arch, dequantize_blocks)
     expected = {n for n, _ in model.named_parameters()}
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")  # the token embeddings, tied below

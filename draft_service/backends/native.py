@@ -31,7 +31,7 @@ class NativeProposer(TransformersProposer):
     def __init__(self, path: Path, store: SessionStore, max_draft_tokens: int, overlap_threads: int = 0) -> None:
         Proposer.__init__(self, store, max_draft_tokens)
         self.overlap_threads = overlap_threads
-        model, quant, gguf = load_gguf(path)
+        model, quant, gguf = load_gguf(path, dequantize_blocks=False)
         self.lm = CachedCausalLM(model, store, quant=quant)
         if self.lm.runner is None:
             raise ValueError(f"{path.name}: specdec's runner does not cover this model (see the log)")
