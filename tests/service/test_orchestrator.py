@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from orchestrator.schemas import Step
+from specdec.native import kernels
 from tests.support import PROMPTS, gen, iter_sse, sse_events, start_model_service, start_orchestrator
 
 pytestmark = pytest.mark.embedded
@@ -199,7 +200,9 @@ def test_health_ready_metrics(embedded_stack):
     url = embedded_stack["url"]
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     ready = httpx.get(url + "/ready").json()
-    assert ready["ready"] and ready["draft"]["backend"] == "llamacpp" and ready["target"]["backend"] == "transformers"
+    native = kernels()  # the default draft backend, auto, runs native where VNNI is, else llama.cpp
+    draft = "native" if native is not None and native.quant_isa == "vnni" else "llamacpp"
+    assert ready["ready"] and ready["draft"]["backend"] == draft and ready["target"]["backend"] == "transformers"
     text = httpx.get(url + "/metrics").text
     for name in ("specdec_drafts_total", "specdec_draft_tokens_total", "specdec_accepted_tokens_total",
                  "specdec_accepted_per_position_total", "specdec_k_bucket", "specdec_rpc_client_duration_seconds",
