@@ -44,22 +44,22 @@ ACCEPTANCES = (0.6, 0.7, 0.8, 0.9, 0.95)
 class DraftSpec:
     label: str
     model: str  # a model id, folder, random:NAME, 'embedded' (shipped GGUF) or 'target'
-    backend: str  # llamacpp | transformers
+    backend: str  # native | llamacpp | transformers
     quant: str = ""
 
 
 def parse_draft(spec: str) -> DraftSpec:
-    """``MODEL@BACKEND[:QUANT]``, e.g. ``random:distilgpt2@llamacpp:q4_0``, ``target@llamacpp:q4_0``,
+    """``MODEL@BACKEND[:QUANT]``, e.g. ``random:distilgpt2@native:q8_0``, ``target@llamacpp:q4_0``,
     ``random:distilgpt2@transformers``."""
     model, sep, how = spec.rpartition("@")
     if not sep or not model:
         raise argparse.ArgumentTypeError(f"{spec!r}: expected MODEL@BACKEND[:QUANT]")
     backend, _, quant = how.partition(":")
-    if backend not in ("llamacpp", "transformers"):
-        raise argparse.ArgumentTypeError(f"{spec!r}: backend must be llamacpp or transformers")
+    if backend not in ("native", "llamacpp", "transformers"):
+        raise argparse.ArgumentTypeError(f"{spec!r}: backend must be native, llamacpp or transformers")
     if backend == "transformers" and quant:
         raise argparse.ArgumentTypeError(f"{spec!r}: the transformers backend takes no quantisation")
-    if backend == "llamacpp":
+    if backend in ("native", "llamacpp"):
         from specdec.gguf_convert import DEFAULT_QUANT, QUANTS
 
         quant = quant or DEFAULT_QUANT
@@ -74,11 +74,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", default="random:gpt2", help="target model (default random:gpt2)")
     p.add_argument("--drafts", nargs="+", type=parse_draft,
                    default=[parse_draft(s) for s in (
-                       "random:distilgpt2@transformers", "random:distilgpt2@llamacpp:f16",
+                       "random:distilgpt2@transformers", "random:distilgpt2@native:q8_0", "random:distilgpt2@llamacpp:f16",
                        "random:distilgpt2@llamacpp:q8_0", "random:distilgpt2@llamacpp:q4_0",
                        "random:distilgpt2@llamacpp:q4_k_m", "target@llamacpp:q8_0", "target@llamacpp:q4_0")],
-                   help="drafts, MODEL@BACKEND[:QUANT] (default: DistilGPT-2 on transformers and on llama.cpp at "
-                        "f16 q8_0 q4_0 q4_k_m, and the target itself at q8_0 and q4_0)")
+                   help="drafts, MODEL@BACKEND[:QUANT] (default: DistilGPT-2 on transformers, on specdec.native at "
+                        "q8_0 and on llama.cpp at f16 q8_0 q4_0 q4_k_m, and the target itself at q8_0 and q4_0)")
     p.add_argument("--acceptances", type=lambda s: [float(x) for x in s.split(",")], default=list(ACCEPTANCES),
                    help="per-token acceptance rates to project (default 0.6,0.7,0.8,0.9,0.95)")
     p.add_argument("--max-k", type=int, default=12, help="longest draft priced (default 12)")
@@ -111,6 +111,13 @@ def target_costs(target: str, rows: list[int], context: int, repeats: int) -> di
 def make_proposer(spec: DraftSpec, target: str, max_draft: int):
     from specdec.settings import default_cache_dir
 
+    if spec.backend == "native":
+        from draft_service.backends.native import NativeProposer
+        from specdec.gguf_convert import draft_gguf
+        from specdec.sessions import SessionStore
+
+        return NativeProposer(draft_gguf(spec.model, target, spec.quant, default_cache_dir()),
+                              SessionStore(2, 1 << 30, 0), max_draft)
     if spec.backend == "llamacpp":
         from draft_service.backends.llamacpp import LlamaCppProposer
         from specdec.gguf_convert import draft_gguf

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +133,7 @@ class Kernels:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._local = threading.local()
         lib = ctypes.CDLL(str(path))
         self._add_norm = lib.sd_add_norm
         self._add_norm.argtypes = [_P, _P, _P, _P, _P, _I, _I, _F]
@@ -190,6 +192,13 @@ class Kernels:
         self._pack_linear(weight.data_ptr(), n, k, panels.data_ptr())
         return panels
 
+    def _quant_scratch(self, nbytes: int) -> torch.Tensor:
+        """This thread's scratch for x's quants (kept between calls: one allocation, not 121 a step)."""
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.numel() < nbytes:
+            scratch = self._local.scratch = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+        return scratch
+
     def pack_quant(self, blocks: np.ndarray, fmt: str, out_features: int, in_features: int) -> QuantWeight:
         """A GGUF tensor's raw blocks (uint8, [out, in / 32 * block bytes], as ``gguf.GGUFReader``
         reads a Q4_1 or Q8_0 tensor) packed for :meth:`linear`."""
@@ -214,7 +223,7 @@ class Kernels:
         y = x.new_empty(rows, out_features)
         if isinstance(panels, QuantWeight):
             k = x.shape[1]
-            scratch = torch.empty(rows * (k + 12 * (k // QUANT_BLOCK)), dtype=torch.uint8)
+            scratch = self._quant_scratch(rows * (k + 12 * (k // QUANT_BLOCK)))
             self._linear_quant(x.data_ptr(), rows, k, panels.data.data_ptr(), QUANT_FORMATS[panels.fmt], out_features,
                                None if bias is None else bias.data_ptr(),
                                None if residual is None else residual.data_ptr(), ACTIVATIONS[act], y.data_ptr(),
