@@ -7,7 +7,7 @@ import time
 
 from draft_service.settings import DraftSettings
 from specdec.errors import SpecdecError
-from specdec.runtime import configure_torch, start_metrics
+from specdec.runtime import bound_openmp_spin, configure_torch, start_metrics
 from specdec.scheduler import ComputeThread
 from specdec.server import configure_logging, serve_forever
 
@@ -15,6 +15,7 @@ logger = logging.getLogger("draft_service")
 
 
 def main() -> None:
+    bound_openmp_spin()  # first: choosing the backend may import torch
     settings = DraftSettings(_cli_parse_args=True)
     configure_logging(settings.log_level)
     from draft_service.backends import create_proposer, resolve_backend

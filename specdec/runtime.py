@@ -47,6 +47,16 @@ def configure_allocator() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
+def bound_openmp_spin() -> None:
+    """Bound the OpenMP spin of every thread this process's libgomp will run (``GOMP_SPINCOUNT``,
+    unless the environment says otherwise). libgomp reads it when torch is first imported, so a
+    service whose start-up may import torch before :func:`configure_torch` (the draft's ``auto``
+    backend choice builds specdec.native) calls this first. Unbounded, an idle draft's threads
+    spun ~10 ms after every Propose, on the cores the target's Verify was using (docs/performance.md)."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
+
+
 def configure_torch(threads: int) -> None:
     """Fix malloc's mmap threshold (:func:`configure_allocator`), set torch's intra-op threads (0
     keeps torch's default: one per core) and bound the OpenMP
@@ -54,10 +64,10 @@ def configure_torch(threads: int) -> None:
     unless the environment says otherwise), so that the cores are free soon after a forward pass.
     libgomp reads it when torch is first imported, so this must run before anything imports torch.
     """
-    if "torch" in sys.modules:
+    if "torch" in sys.modules and "GOMP_SPINCOUNT" not in os.environ:
         logger.warning("torch was imported before configure_torch; OpenMP wait settings cannot apply")
     else:
-        os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
+        bound_openmp_spin()
     allocator = configure_allocator()
     import torch
 

@@ -460,7 +460,7 @@ def start_orchestrator(draft_port: int, target_port: int, log_dir: Path, env: di
 
 @contextlib.contextmanager
 def running_stack(log_dir: Path, orchestrator_env: dict[str, str] | None = None):
-    """draft (llama.cpp) + target + orchestrator on the embedded default, as real processes;
+    """draft + target + orchestrator on the embedded default (the draft backend auto picks), as real processes;
     stopped (newest first) on exit."""
     procs: list[Proc] = []
     try:
