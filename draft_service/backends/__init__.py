@@ -55,6 +55,8 @@ def native_unavailable(settings: DraftSettings) -> str | None:
     from specdec.gguf_model import file_type, unsupported
     from specdec.native import QUANT_FORMATS, kernels
 
+    if settings.gpu_layers:
+        return f"gpu_layers={settings.gpu_layers} asks llama.cpp to put the draft on the GPU"
     native = kernels()
     if native is None:
         return "specdec.native is unavailable (see the log)"

@@ -172,6 +172,8 @@ def test_auto_takes_native_where_it_applies_and_says_why_not(ggufs):
     assert resolve_backend(f16) == "llamacpp"
     assert "a F16 file" in native_unavailable(f16) if VNNI else "VNNI" in native_unavailable(f16)
     assert resolve_backend(DraftSettings(_cli_parse_args=[], backend="llamacpp")) == "llamacpp"
+    gpu = DraftSettings(_cli_parse_args=[], backend="auto", gpu_layers=-1)  # llama.cpp offloads; native is CPU only
+    assert resolve_backend(gpu) == "llamacpp" and "GPU" in native_unavailable(gpu)
 
 
 def test_auto_without_vnni_runs_llama_cpp(tmp_path):
