@@ -309,8 +309,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--target", default="embedded", help="target model: HF id, local folder, or 'embedded' (default)")
     p.add_argument("--draft", default="embedded", help="draft model of the main draft service (id, folder, .gguf or 'embedded')")
-    p.add_argument("--draft-backend", default="llamacpp", choices=["llamacpp", "transformers", "ngram"],
-                   help="backend of the main draft service (default llamacpp)")
+    p.add_argument("--draft-backend", default="auto", choices=["auto", "native", "llamacpp", "transformers", "ngram"],
+                   help="backend of the main draft service (default auto, the service's own default)")
     p.add_argument("--extra-draft", action="append", type=parse_extra_draft, default=[], metavar="NAME=SPEC",
                    help="one more llama.cpp draft service and orchestrator over the same target, with modes NAME-fixed-k4 "
                         "and NAME-cost; SPEC: a SPECDEC_DRAFT_MODEL value ('target': the target itself), optionally "

@@ -21,7 +21,7 @@ VERSION=0.3.36
 
 flags="-DGGML_NATIVE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 if [ "${SPECDEC_LLAMACPP_AVX512:-auto}" != "off" ] && grep -qw avx512f /proc/cpuinfo && grep -qw avx512_vnni /proc/cpuinfo \
-   && grep -qw avx512_vbmi /proc/cpuinfo && grep -qw avx512_bf16 /proc/cpuinfo; then
+   && grep -qw avx512vbmi /proc/cpuinfo && grep -qw avx512_bf16 /proc/cpuinfo; then
   flags="$flags -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
 else
   flags="$flags -DGGML_AVX512=OFF"

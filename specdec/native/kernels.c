@@ -501,6 +501,16 @@ const char *sd_linear_isa(void) {
     return f == linear_panels_base ? "baseline" : "?";
 }
 
+/* This OpenMP thread's share [p0, p1) of np panels: whole tiles of `step` panels each, the last
+ * thread takes the rest. False when it has none. */
+INLINE int thread_panels(int64_t np, int64_t step, int64_t *p0, int64_t *p1) {
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t per = (np / nt + step - 1) / step * step;
+    *p0 = t * per < np ? t * per : np;
+    *p1 = t == nt - 1 ? np : (*p0 + per < np ? *p0 + per : np);
+    return *p0 < *p1;
+}
+
 void sd_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_t n, const float *bias,
                const float *residual, int act, float *y) {
     static panels_fn run = NULL;
@@ -509,13 +519,8 @@ void sd_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_
     int64_t np = (n + PANEL - 1) / PANEL;
 #pragma omp parallel if (m * n * k >= (1 << 15))
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        /* whole tiles of panels per thread; the last thread takes the rest */
-        int64_t per = (np / nt + PANELS - 1) / PANELS * PANELS;
-        int64_t p0 = t * per, p1 = t == nt - 1 ? np : p0 + per;
-        if (p0 > np) p0 = np;
-        if (p1 > np) p1 = np;
-        if (p0 < p1) run(&a, p0, p1);
+        int64_t p0, p1;
+        if (thread_panels(np, PANELS, &p0, &p1)) run(&a, p0, p1);
     }
 }
 
@@ -824,11 +829,7 @@ void sd_linear_quant(const float *x, int64_t m, int64_t k, const uint8_t *w, int
     qlinear_args a = {xq, xs, xsum, xq128, w, bias, residual, y, m, k, n, act, fmt};
 #pragma omp parallel if (m * n * k >= (1 << 15))
     {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t per = (np / nt + QPANELS - 1) / QPANELS * QPANELS;
-        int64_t p0 = t * per, p1 = t == nt - 1 ? np : p0 + per;
-        if (p0 > np) p0 = np;
-        if (p1 > np) p1 = np;
-        if (p0 < p1) run(&a, p0, p1);
+        int64_t p0, p1;
+        if (thread_panels(np, QPANELS, &p0, &p1)) run(&a, p0, p1);
     }
 }

@@ -130,6 +130,10 @@ def test_build_script_chooses_the_flags_install_llamacpp_does(tmp_path, avx512):
     assert "-DGGML_NATIVE=OFF" in ours and "-DGGML_AMX_TILE=OFF" in ours
     if avx512 == "off":
         assert "-DGGML_AVX512=OFF" in ours
+    else:  # Linux names them avx512f, avx512_vnni, avx512vbmi (no underscore) and avx512_bf16
+        flags = set(re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
+        has = {"avx512f", "avx512_vnni", "avx512vbmi", "avx512_bf16"} <= flags
+        assert ("-DGGML_AVX512=ON" in ours) == has, (sorted(f for f in flags if f.startswith("avx512")), ours)
 
 
 def test_build_script_builds_the_same_version():
