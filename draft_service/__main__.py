@@ -21,13 +21,13 @@ def main() -> None:
     from draft_service.backends import create_proposer, resolve_backend
 
     try:  # auto: native or llamacpp, decided before torch's threads are set
-        settings.backend = resolve_backend(settings)  # may convert the model first (once, cached)
+        backend = resolve_backend(settings)  # may convert the model first (once, cached)
     except SpecdecError as exc:  # a missing model, a conversion that cannot be done: say so, no traceback
         logger.error("cannot start the draft service: %s", exc)
         raise SystemExit(2) from None
     # With llama.cpp (or n-gram), torch only samples between decodes: one thread, no OpenMP
     # workers of its own; llama.cpp's threads follow SPECDEC_DRAFT_THREADS (its backend).
-    configure_torch(settings.threads if settings.backend in ("transformers", "native") else 1)
+    configure_torch(settings.threads if backend in ("transformers", "native") else 1)
     from draft_service.servicer import build_server
     from specdec.auth import server_security
 
@@ -36,7 +36,7 @@ def main() -> None:
     # this (main) thread loads the model and runs every forward pass
     compute = ComputeThread.from_settings(settings, service="draft")
     try:
-        proposer = create_proposer(settings)
+        proposer = create_proposer(settings, backend)
     except SpecdecError as exc:  # a missing model, a conversion that cannot be done: say so, no traceback
         logger.error("cannot start the draft service: %s", exc)
         raise SystemExit(2) from None

@@ -82,6 +82,15 @@ def resolve_backend(settings: DraftSettings) -> str:
     return "llamacpp"
 
 
-def create_proposer(settings: DraftSettings) -> Proposer:
-    """The proposer of ``settings.backend`` (``auto`` resolved first, see :func:`resolve_backend`)."""
-    return BACKENDS[resolve_backend(settings)](settings)
+def create_proposer(settings: DraftSettings, backend: str | None = None) -> Proposer:
+    """The proposer of ``backend`` (default: ``settings.backend`` resolved, see
+    :func:`resolve_backend`). When ``auto`` chose native and the file still does not load (a
+    tensor the runner has no place for, such as attention biases), llama.cpp serves it instead."""
+    backend = backend or resolve_backend(settings)
+    if settings.backend == "auto" and backend == "native":
+        try:
+            return BACKENDS["native"](settings)
+        except ValueError as exc:
+            logger.warning("draft backend auto: native cannot load this draft (%s); using llamacpp", exc)
+            backend = "llamacpp"
+    return BACKENDS[backend](settings)

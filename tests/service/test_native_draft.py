@@ -213,3 +213,21 @@ def test_the_draft_service_bounds_its_openmp_spin_before_choosing_a_backend(tmp_
     finally:
         proc.stop()
     assert "GOMP_SPINCOUNT=20000" in log and "torch was imported before configure_torch" not in log, log[-2000:]
+
+
+@pytest.mark.skipif(not VNNI, reason="auto takes llama.cpp on a CPU without AVX-512 VNNI anyway")
+def test_auto_falls_back_to_llama_cpp_when_the_native_load_fails(monkeypatch, caplog):
+    """A file auto admits (architecture and type) may still hold a tensor the runner has no place
+    for; the service then starts on llama.cpp with the reason logged, instead of failing."""
+    import draft_service.backends as backends
+    from draft_service.backends import create_proposer
+
+    def refuse(settings):
+        raise ValueError("tensor blk.0.attn_q.bias has no place in a llama model")
+
+    monkeypatch.setitem(backends.BACKENDS, "native", refuse)
+    proposer = create_proposer(DraftSettings(_cli_parse_args=[], backend="auto"))
+    assert isinstance(proposer, LlamaCppProposer)
+    assert "attn_q.bias" in caplog.text
+    with pytest.raises(ValueError, match="no place"):  # asked for by name, it fails loudly
+        create_proposer(DraftSettings(_cli_parse_args=[], backend="native"))
