@@ -274,7 +274,8 @@ def draft_positions(runs: list[dict[str, Any]], modes: Sequence[str]) -> dict[st
         accepted = _add([r["positions"]["accepted"] for r in rs])
         tokens = sum(r["stats"]["draft_tokens"] for r in rs)
         ms = sum(r["stats"]["draft_compute_ms"] for r in rs)
-        out[m] = {"acceptance": [a / d for a, d in zip(accepted, drafted, strict=True)], "drafted": drafted,
+        # a position no step reached in these runs (a count of 0) has no acceptance
+        out[m] = {"acceptance": [a / d if d else None for a, d in zip(accepted, drafted, strict=True)], "drafted": drafted,
                   "accepted": accepted, "draft_tokens": tokens, "draft_compute_ms": ms,
                   "ms_per_draft_token": ms / tokens if tokens else None}
     return out

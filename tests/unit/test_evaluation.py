@@ -473,3 +473,13 @@ def test_replay_runs_on_the_embedded_pair(tmp_path):
     assert all(r["speedup"] > 0 and 1 <= r["tokens_per_round"] <= r["k"] + 1 for r in results["rows"])
     assert len(results["outputs"][0]["output"]) == 12 and results["draft_token_ms"] > 0
     assert "predicted speedup" in (tmp_path / "results.md").read_text()
+
+
+def test_a_draft_position_no_step_reached_has_no_acceptance():
+    """A mode whose drafts always stopped before some position it asked for (the position counts
+    carry a 0 there) reports no acceptance at it, not a division by zero after the whole run."""
+    runs = [{"mode": "sd-cost", "positions": {"drafted": [3, 2, 0, 0], "accepted": [3, 1, 0, 0]},
+             "stats": {"draft_tokens": 5, "draft_compute_ms": 20.0}}]
+    p = draft_positions(runs, ["sd-cost"])["sd-cost"]
+    assert p["acceptance"] == [1.0, 0.5, None, None]
+    assert "| sd-cost | 3 | 100% | 50% | – | – | – | – | – | – | 4.00 |" in render_positions({"sd-cost": p}).splitlines()
