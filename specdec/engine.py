@@ -219,13 +219,13 @@ class _FastLinears:
         linears = [(module, weight) for module in model.modules() if (weight := _linear_weight(module)) is not None]
         if pack is not None:
             with torch.inference_mode():
-                for group in self._groups(model, dict((id(m), w) for m, w in linears)):
+                for group in self._groups(model, dict((id(m), w) for m, w in linears), quant):
                     biases = [m.bias for m, _ in group]
                     bias = None if biases[0] is None else torch.cat(biases).detach() if len(group) > 1 else biases[0]
-                    blocks = [quant.get(id(m)) for m, _ in group]
-                    if all(b is not None for b in blocks) and len({b[0] for b in blocks}) == 1:
-                        raw = np.concatenate([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
-                        packed = self.native.pack_quant(raw, blocks[0][0], raw.shape[0], group[0][1].shape[1])
+                    if id(group[0][0]) in quant:  # a group's members share one block type (_groups)
+                        fmt = quant[id(group[0][0])][0]
+                        raw = np.concatenate([quant[id(m)][1] for m, _ in group])
+                        packed = self.native.pack_quant(raw, fmt, raw.shape[0], group[0][1].shape[1])
                         self.quantised += len(group)
                     else:
                         weight = torch.cat([w for _, w in group]) if len(group) > 1 else group[0][1]
@@ -246,17 +246,19 @@ class _FastLinears:
             self.count += 1
 
     @staticmethod
-    def _groups(model: Any, weights: dict[int, torch.Tensor]) -> list[list[tuple[Any, torch.Tensor]]]:
+    def _groups(model: Any, weights: dict[int, torch.Tensor], quant: dict[int, tuple[str, Any]]
+                ) -> list[list[tuple[Any, torch.Tensor]]]:
         """The linears to pack, grouped: layers that read the same input (a Llama layer's q, k and
         v projections; its gate and up projections, see specdec.runner.fused_groups) share one
-        packed weight when their inputs, biases and dtypes agree, every other layer packs alone.
-        One pass over a fused weight streams it once: the embedded target's 211 linears cost
-        ~8 % less as 121 (docs/performance.md)."""
+        packed weight when their inputs, biases, dtypes and storage (fp32, or one GGUF block type
+        in ``quant``) agree, every other layer packs alone. One pass over a fused weight streams it
+        once: the embedded target's 211 linears cost ~8 % less as 121 (docs/performance.md)."""
         groups, grouped = [], set()
         for members in fused_groups(model):
             ws = [weights.get(id(m)) for m in members]
             if any(w is None for w in ws) or len({w.shape[1] for w in ws}) != 1 \
-                    or len({getattr(m, "bias", None) is None for m in members}) != 1:
+                    or len({getattr(m, "bias", None) is None for m in members}) != 1 \
+                    or len({quant[id(m)][0] if id(m) in quant else None for m in members}) != 1:
                 continue
             groups.append(list(zip(members, ws, strict=True)))
             grouped.update(id(m) for m in members)

@@ -25,12 +25,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from specdec.errors import SpecdecError
 from specdec.gguf_file import GGUFFile
 from specdec.native import QUANT_FORMATS
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "gpt2")
+
+
+class UnsupportedModel(SpecdecError, ValueError):
+    """The GGUF file holds a model specdec's runner does not cover; the message says what."""
+
+    code = "FAILED_PRECONDITION"
+
 # general.file_type is llama.cpp's LLAMA_FTYPE enum; the common ones by name
 FILE_TYPES = {"0": "F32", "1": "F16", "2": "Q4_0", "3": "Q4_1", "7": "Q8_0", "8": "Q5_0", "9": "Q5_1",
               "15": "Q4_K_M", "17": "Q5_K_M", "18": "Q6_K", "32": "BF16"}
@@ -53,6 +61,8 @@ def unsupported(gguf: GGUFFile) -> str | None:
         return f"GGUF architecture {arch!r} (specdec's kernels cover {', '.join(ARCHITECTURES)})"
     if gguf.field(f"{arch}.rope.scaling.type", "none") not in ("none", None):
         return f"rope scaling {gguf.field(f'{arch}.rope.scaling.type')!r}"
+    if "rope_freqs.weight" in gguf.tensors:
+        return "per-dimension rope frequencies (rope_freqs.weight, Llama 3.1-style scaling)"
     if arch == "llama" and gguf.field("llama.expert_count", 0):
         return "a mixture of experts"
     return None
@@ -145,9 +155,7 @@ def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool
     for name, tensor in gguf.tensors.items():
         target = names.get(name)
         if target is None:
-            if name in ("rope_freqs.weight",) or name.endswith("attn_rot_embd"):
-                continue
-            raise ValueError(f"{gguf.path.name}: tensor {name} has no place in a {arch} model")
+            raise UnsupportedModel(f"{gguf.path.name}: tensor {name} has no place in a {arch} model")
         raw = tensor.data
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if name.endswith("attn_q.weight") else config.num_key_value_heads
@@ -176,15 +184,16 @@ def load_gguf(path: Path, dequantize_blocks: bool = True) -> tuple[Any, dict[int
     """The causal LM in the GGUF file ``path`` (transformers, fp32, eval mode), its quantised
     linears' raw blocks by ``id(module)`` (``quant`` for specdec.engine), and the parsed file.
     ``dequantize_blocks`` False leaves those linears' fp32 weights unwritten (for an engine that
-    packs the blocks: transformers' own forward is then meaningless). Raises ValueError when
-    :func:`unsupported` names a reason."""
+    packs the blocks: transformers' own forward is then meaningless). Raises
+    :class:`UnsupportedModel` when :func:`unsupported` names a reason or a tensor has no place in
+    the model."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     gguf = GGUFFile(path)
     why = unsupported(gguf)
     if why is not None:
-        raise ValueError(f"{path.name}: {why}")
+        raise UnsupportedModel(f"{path.name}: {why}")
     arch = gguf.field("general.architecture")
     config = _config(gguf)
     with no_init_weights():  # every parameter comes from the file: no random initialisation first
@@ -195,7 +204,7 @@ def load_gguf(path: Path, dequantize_blocks: bool = True) -> tuple[Any, dict[int
         expected.discard("lm_head.weight")  # the token embeddings, tied below
     missing = sorted(expected - set(state))
     if missing:
-        raise ValueError(f"{path.name}: no tensor for {', '.join(missing[:5])}")
+        raise UnsupportedModel(f"{path.name}: no tensor for {', '.join(missing[:5])}")
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -86,11 +86,13 @@ def create_proposer(settings: DraftSettings, backend: str | None = None) -> Prop
     """The proposer of ``backend`` (default: ``settings.backend`` resolved, see
     :func:`resolve_backend`). When ``auto`` chose native and the file still does not load (a
     tensor the runner has no place for, such as attention biases), llama.cpp serves it instead."""
+    from specdec.gguf_model import UnsupportedModel
+
     backend = backend or resolve_backend(settings)
     if settings.backend == "auto" and backend == "native":
         try:
             return BACKENDS["native"](settings)
-        except ValueError as exc:
+        except UnsupportedModel as exc:
             logger.warning("draft backend auto: native cannot load this draft (%s); using llamacpp", exc)
             backend = "llamacpp"
     return BACKENDS[backend](settings)

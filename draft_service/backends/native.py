@@ -17,8 +17,9 @@ from draft_service.backends.hf import TransformersProposer
 from draft_service.proposer import Proposer
 from specdec.engine import CachedCausalLM, ModelInfo
 from specdec.gguf_convert import draft_gguf
-from specdec.gguf_model import file_type, load_gguf
+from specdec.gguf_model import UnsupportedModel, file_type, load_gguf
 from specdec.models import gguf_tokenizer_fingerprint
+from specdec.native import kernels
 from specdec.sessions import SessionStore
 
 if TYPE_CHECKING:
@@ -31,10 +32,14 @@ class NativeProposer(TransformersProposer):
     def __init__(self, path: Path, store: SessionStore, max_draft_tokens: int, overlap_threads: int = 0) -> None:
         Proposer.__init__(self, store, max_draft_tokens)
         self.overlap_threads = overlap_threads
+        if kernels() is None:
+            raise UnsupportedModel("the native draft backend needs specdec.native, which is unavailable here (the log "
+                                   "says why); use SPECDEC_DRAFT_BACKEND=llamacpp")
         model, quant, gguf = load_gguf(path, dequantize_blocks=False)
         self.lm = CachedCausalLM(model, store, quant=quant)
         if self.lm.runner is None:
-            raise ValueError(f"{path.name}: specdec's runner does not cover this model (see the log)")
+            raise UnsupportedModel(f"{path.name}: specdec's runner does not cover this model (the log says why); use "
+                                   "SPECDEC_DRAFT_BACKEND=llamacpp")
         fingerprint, _, eos = gguf_tokenizer_fingerprint(gguf)
         self._info = ModelInfo(
             model_id=str(path), architecture=(model.config.architectures or [type(model).__name__])[0],

@@ -18,7 +18,7 @@ from draft_service.backends.native import NativeProposer
 from draft_service.settings import DraftSettings
 from specdec.gguf_convert import ensure_gguf
 from specdec.gguf_file import GGUFError, GGUFFile
-from specdec.gguf_model import load_gguf
+from specdec.gguf_model import UnsupportedModel, load_gguf
 from specdec.models import embedded_gguf_path, load_tokenizer
 from specdec.native import kernels
 from specdec.sessions import SessionStore
@@ -187,18 +187,35 @@ def test_auto_without_vnni_runs_llama_cpp(tmp_path):
     assert done.stdout.split()[-1] == "llamacpp"
 
 
-def test_an_architecture_outside_the_runners_is_refused_by_name(tmp_path):
+def _falcon_gguf(folder) -> object:
     from gguf import GGUFWriter
 
-    path = tmp_path / "falcon.gguf"
+    path = folder / "falcon.gguf"
     writer = GGUFWriter(str(path), "falcon")
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="architecture 'falcon'"):
-        load_gguf(path)
+    return path
+
+
+def test_an_architecture_outside_the_runners_is_refused_by_name(tmp_path):
+    with pytest.raises(UnsupportedModel, match="architecture 'falcon'"):
+        load_gguf(_falcon_gguf(tmp_path))
+
+
+def test_the_native_service_refuses_an_uncovered_model_with_a_clear_exit(tmp_path):
+    """Asked for by name, the native backend on a file its runner does not cover stops the service
+    with exit code 2 and the reason in its log, not a traceback."""
+    from evaluation.procs import Service, free_port
+
+    proc = Service("draft", "draft_service", {"SPECDEC_DRAFT_BACKEND": "native", "SPECDEC_DRAFT_PORT": "0",
+                                              "SPECDEC_DRAFT_MODEL": str(_falcon_gguf(tmp_path)),
+                                              "SPECDEC_DRAFT_METRICS_PORT": str(free_port())}, tmp_path)
+    assert proc.popen.wait(timeout=120) == 2
+    log = proc.log.read_text()
+    assert "cannot start the draft service" in log and "architecture 'falcon'" in log and "Traceback" not in log, log
 
 
 def test_the_draft_service_bounds_its_openmp_spin_before_choosing_a_backend(tmp_path):
@@ -223,7 +240,7 @@ def test_auto_falls_back_to_llama_cpp_when_the_native_load_fails(monkeypatch, ca
     from draft_service.backends import create_proposer
 
     def refuse(settings):
-        raise ValueError("tensor blk.0.attn_q.bias has no place in a llama model")
+        raise UnsupportedModel("tensor blk.0.attn_q.bias has no place in a llama model")
 
     monkeypatch.setitem(backends.BACKENDS, "native", refuse)
     proposer = create_proposer(DraftSettings(_cli_parse_args=[], backend="auto"))

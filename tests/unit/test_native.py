@@ -359,3 +359,35 @@ def test_quantised_linears_agree_on_every_instruction_set(tmp_path):
     if "vnni" in got:
         for fast, base in zip(got["vnni"], got["baseline"], strict=True):
             assert torch.allclose(fast, base, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_of_different_block_types_are_not_fused():
+    """A Llama layer's q, k and v share one packed weight only when they are stored alike: with q
+    in Q8_0, k in Q4_1 and v in fp32 (GGUF files mix types), each packs alone on its own storage
+    and computes its own product (an unwritten placeholder never reaches a kernel)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.engine import _FastLinears
+    from specdec.native import QuantWeight
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    attn = model.model.layers[0].self_attn
+    quant, want = {}, {}
+    for module, fmt in ((attn.q_proj, "Q8_0"), (attn.k_proj, "Q4_1")):
+        blocks, w = _gguf_blocks(fmt, *module.weight.shape, seed=len(quant))
+        quant[id(module)] = (fmt, blocks)
+        want[id(module)] = w
+        with torch.no_grad():
+            module.weight.zero_()  # a placeholder: packing it would give zeros, not the blocks' product
+    want[id(attn.v_proj)] = attn.v_proj.weight.detach().clone()
+    fast = _FastLinears(model, quant=quant)
+    q, k, v = (fast.packed(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert (q.weight.fmt, k.weight.fmt, isinstance(v.weight, QuantWeight)) == ("Q8_0", "Q4_1", False)
+    assert not (q.fused or k.fused or v.fused) and fast.quantised == 2
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), fast.active():
+        for module in (attn.q_proj, attn.k_proj, attn.v_proj):
+            ref = x @ want[id(module)].T
+            assert torch.allclose(module(x), ref, rtol=0.05, atol=0.05 * float(ref.abs().max()))
