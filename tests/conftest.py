@@ -55,6 +55,16 @@ def tiny_target_server(tiny_models):
     server.stop(0)
 
 
+@pytest.fixture(scope="module")
+def fake_orchestrator():
+    """A fake orchestrator (tests.support.FakeOrchestrator) shared by a module's UI tests; each
+    test resets it with the snapshot it needs."""
+    from tests.support import FakeOrchestrator
+
+    with FakeOrchestrator() as fake:
+        yield fake
+
+
 @pytest.fixture(scope="session")
 def embedded_target():
     """The embedded default target (SmolLM2-135M-Instruct, fp32), loaded once."""

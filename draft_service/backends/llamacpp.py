@@ -131,7 +131,8 @@ class LlamaCppProposer(Proposer):
         metadata = self._model.metadata()
         self._info = ModelInfo(
             model_id=model_path, architecture=metadata.get("general.architecture", "gguf"), vocab_size=self.n_vocab,
-            tokenizer_fingerprint=fingerprint, max_context=min(n_ctx_train, pool), dtype=file_type_name(metadata.get("general.file_type", "")),
+            tokenizer_fingerprint=fingerprint, max_context=min(n_ctx_train, pool),
+            dtype=file_type_name(metadata.get("general.file_type", "")),
             device="cuda" if offload else "cpu", backend=self.backend, max_draft_tokens=max_draft_tokens,
             eos_token_ids=sorted(self._eos),
         )

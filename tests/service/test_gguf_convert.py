@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from specdec import gguf_convert
 from specdec.errors import NotFound
@@ -20,6 +19,7 @@ from specdec.gguf_convert import ConversionError, draft_gguf, ensure_gguf
 from specdec.models import embedded_gguf_path, gguf_tokenizer_fingerprint, load_tokenizer, tokenizer_fingerprint
 from tests.support import BPE_VOCAB as VOCAB
 from tests.support import ROOT, make_bpe_model
+
 
 @pytest.fixture(scope="module")
 def bpe_models(tmp_path_factory) -> dict[str, Path]:

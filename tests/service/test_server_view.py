@@ -15,7 +15,7 @@ from orchestrator.app import create_app
 from orchestrator.server_stats import RollingRates, ServiceProbe, Window, orchestrator_view, service_view
 from orchestrator.settings import OrchestratorSettings
 from specdec.v1 import specdec_pb2 as pb
-from tests.support import APP, FakeOrchestrator, free_port, messages, start_model_service, start_orchestrator
+from tests.support import APP, free_port, messages, start_model_service, start_orchestrator
 from ui import server_view as sv
 
 # ---- RollingRates --------------------------------------------------------------------------------
@@ -312,17 +312,11 @@ def test_position_rows_and_history():
 
 # ---- the Server tab (AppTest) --------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def orchestrator():
-    with FakeOrchestrator() as fake:
-        yield fake
-
-
 @pytest.fixture
-def fake(orchestrator, monkeypatch):
-    orchestrator.reset(snapshot())
-    monkeypatch.setenv("SPECDEC_UI_ORCHESTRATOR_URL", orchestrator.url)
-    return orchestrator
+def fake(fake_orchestrator, monkeypatch):
+    fake_orchestrator.reset(snapshot())
+    monkeypatch.setenv("SPECDEC_UI_ORCHESTRATOR_URL", fake_orchestrator.url)
+    return fake_orchestrator
 
 
 def server_tab(tab: str = "Server"):

@@ -23,22 +23,26 @@ from target_service.servicer import build_server as build_target
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _serving(build, model):
+    """(address, model) while ``build``'s gRPC server serves ``model`` on a free port."""
+    server, port, _ = build(model, "127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", model
+    finally:
+        server.stop(0)
+
+
 @pytest.fixture(scope="module")
 def target_addr(tiny_models):
-    engine = TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(4, 1 << 30, 0), max_draft_tokens=8)
-    server, port, _ = build_target(engine, "127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}", engine
-    server.stop(0)
+    yield from _serving(build_target, TargetEngine(load_hf(tiny_models["llama-target"]), SessionStore(4, 1 << 30, 0),
+                                                   max_draft_tokens=8))
 
 
 @pytest.fixture(scope="module")
 def draft_addr(tiny_models):
-    proposer = TransformersProposer(load_hf(tiny_models["llama-draft"]), SessionStore(4, 1 << 30, 0), 8)
-    server, port, _ = build_draft(proposer, "127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}", proposer
-    server.stop(0)
+    yield from _serving(build_draft, TransformersProposer(load_hf(tiny_models["llama-draft"]),
+                                                          SessionStore(4, 1 << 30, 0), 8))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from tests.support import (
     INFO_MODEL,
     SPECULATIVE,
     TEXTS,
-    FakeOrchestrator,
     app,
     done,
     free_port,
@@ -27,17 +26,11 @@ from ui import render
 from ui.client import OrchestratorClient, Rejected, StreamFailed, Unreachable, describe_detail, parse_sse
 
 
-@pytest.fixture(scope="module")
-def server():
-    with FakeOrchestrator() as fake:
-        yield fake
-
-
 @pytest.fixture
-def fake(server, monkeypatch):
-    server.reset()
-    monkeypatch.setenv("SPECDEC_UI_ORCHESTRATOR_URL", server.url)
-    return server
+def fake(fake_orchestrator, monkeypatch):
+    fake_orchestrator.reset()
+    monkeypatch.setenv("SPECDEC_UI_ORCHESTRATOR_URL", fake_orchestrator.url)
+    return fake_orchestrator
 
 
 # ---- the page ------------------------------------------------------------------------------------
