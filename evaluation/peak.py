@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.native import kernels
+from specdec.native import compiler, kernels
 
 _FMA_LOOP = r"""
 #include <stdint.h>
@@ -53,13 +52,20 @@ __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default"))) double sd
 
 def fma_gflops(threads: int, iters: int = 20_000_000) -> float:
     """fp32 GFLOPS of ``threads`` threads running independent 16-lane FMAs."""
-    cc = shutil.which("cc") or "gcc"
+    cc = compiler()
     with tempfile.TemporaryDirectory() as tmp:
         src, lib = Path(tmp) / "peak.c", Path(tmp) / "peak.so"
         src.write_text(_FMA_LOOP)
         subprocess.run([cc, "-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+        before = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = str(threads)  # read when the library's OpenMP runtime starts
-        peak = ctypes.CDLL(str(lib))
+        try:
+            peak = ctypes.CDLL(str(lib))
+        finally:  # not left for processes started later
+            if before is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = before
         peak.sd_peak.argtypes = [ctypes.c_int64]
         peak.sd_peak.restype = ctypes.c_double
         peak.sd_peak(iters // 10)  # warm up the threads and the clock

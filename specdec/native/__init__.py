@@ -47,8 +47,7 @@ _F = ctypes.c_float
 PANEL = 16  # output columns per panel of a packed linear weight (kernels.c)
 ACTIVATIONS = {"none": 0, "gelu_tanh": 1}
 QUANT_FORMATS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block types the quantised linears read (kernels.c)
-QUANT_BLOCK = 32  # weights per block along the input dimension
-GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+QUANT_BLOCK = 32  # weights per block along the input dimension (both formats; the kernel's QBLOCK)
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,8 @@ def _folder() -> Path:
     return Path(default_cache_dir()) / "native"
 
 
-def _compiler() -> str:
+def compiler() -> str:
+    """The C compiler specdec builds with (``$CC``, else ``cc``), or NativeError naming what to install."""
     cc = os.environ.get("CC") or "cc"
     path = shutil.which(cc)
     if path is None:
@@ -100,7 +100,7 @@ def build(folder: Path | None = None) -> Path:
     target = folder / library_name()
     if target.exists():
         return target
-    cc = _compiler()
+    cc = compiler()
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -206,7 +206,10 @@ class Kernels:
             raise ValueError(f"quantised linears read {sorted(QUANT_FORMATS)}, not {fmt}")
         if in_features % QUANT_BLOCK:
             raise ValueError(f"in_features {in_features} is not a multiple of {QUANT_BLOCK}")
-        expected = (out_features, in_features // QUANT_BLOCK * GGUF_BLOCK_BYTES[fmt])
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+        expected = (out_features, in_features // block * block_bytes)
         blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
         if blocks.shape != expected:
             raise ValueError(f"{fmt} blocks of shape {blocks.shape}, expected {expected}")
