@@ -488,15 +488,17 @@ def test_a_draft_position_no_step_reached_has_no_acceptance():
 def test_peak_prices_the_kernel_against_a_real_fma_ceiling(capsys):
     """evaluation.peak's FMA loop is the ceiling the kernel is compared with: a loop that did not
     compile to FMAs (the first version, without -ffp-contract) read below the kernel's own rate."""
+    import torch
+
     from evaluation import peak
 
     ceiling = peak.fma_gflops(1, iters=2_000_000)
     kernel = peak.kernel_gflops(6, repeats=20)
-    assert 0 < kernel <= 1.1 * ceiling * __import__("torch").get_num_threads()
-    threads = __import__("torch").get_num_threads()
+    assert 0 < kernel <= 1.1 * ceiling * torch.get_num_threads()
+    threads = torch.get_num_threads()
     try:
         peak.main(["--threads", "1"])
     finally:
-        __import__("torch").set_num_threads(threads)
+        torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "FMA peak, 1 threads" in out and out.count("weight in cache") == 3
