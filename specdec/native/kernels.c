@@ -37,6 +37,8 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 INLINE v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 INLINE v16 splat(float f) { return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
+/* f in every lane by one broadcast (GCC can build splat's literal of a loaded float lane by lane) */
+INLINE v16 bcast(float f) { return __builtin_shuffle((v16){f}, (v16i){0}); }
 
 /* The sum of a vector's 16 lanes, always in the same tree. */
 INLINE float hsum(v16 a) {
@@ -208,106 +210,146 @@ CLONES static void rope_store(float *qkv, const attn_args *a, const int64_t *seg
     }
 }
 
-/* The 16 lane sums of 16 vectors, lane j of the result = sum of part[j]'s lanes, by one fixed tree
- * (a transpose folded into the additions: ~3 vector ops a vector instead of a 15-add reduction). */
-INLINE v16 reduce16(v16 *part) {
-    const v16i lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const v16i hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const v16i lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const v16i hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const v16i lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const v16i hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const v16i lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const v16i hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    v16 c[8], e[4], f[2];
-    for (int i = 0; i < 8; i++)
-        c[i] = __builtin_shuffle(part[2 * i], part[2 * i + 1], lo1) + __builtin_shuffle(part[2 * i], part[2 * i + 1], hi1);
-    for (int i = 0; i < 4; i++) e[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], lo2) + __builtin_shuffle(c[2 * i], c[2 * i + 1], hi2);
-    for (int i = 0; i < 2; i++) f[i] = __builtin_shuffle(e[2 * i], e[2 * i + 1], lo3) + __builtin_shuffle(e[2 * i], e[2 * i + 1], hi3);
-    return __builtin_shuffle(f[0], f[1], lo4) + __builtin_shuffle(f[0], f[1], hi4);
-}
-
-/* One (row, head): softmax(q k^T * scale) v over the session's positions 0 .. start + r. The keys
- * are scored 16 at a time (reduce16), the last keys % 16 one by one; which path scores a key
- * depends only on the row's own key count, so a row's bits never depend on another row. */
-CLONES static void attend_one(const attn_args *a, const int64_t *seg, int64_t r, int64_t h, float *scores) {
-    int64_t d = a->d, d16 = d / 16 * 16, group = a->heads / a->kv_heads;
-    int64_t t = seg[4] + r, keys = seg[2] + r + 1;
-    const float *q = a->qkv + t * a->stride + a->q_off + h * d;
-    const float *k = kv_at(a, seg, 0, h / group), *v = kv_at(a, seg, 1, h / group);
-    float mx = -INFINITY;
+/* The value pass for queries [c, c + 4) (lanes; the unused ones hold p = 0) and vectors
+ * [e0, e0 + W) of the head dimension: acc = sum_j p_j v_j over each query's own keys in order. */
+INLINE void values4(const float *v, int64_t d, int64_t e0, const int W, const float *st, int c, const int64_t *limit,
+                    float *const *outs, int nq, const float *sums) {
+    v16 acc[4][4] = {{{0}}};
+    int64_t common = INT64_MAX, most = 0;
+    for (int i = c; i < c + 4 && i < nq; i++) {
+        common = limit[i] < common ? limit[i] : common;
+        most = limit[i] > most ? limit[i] : most;
+    }
     int64_t j = 0;
-    if (d16 == d && d <= 256) {
-        v16 qv[16], part[16];
-        int64_t nv = d / 16;
-        for (int64_t i = 0; i < nv; i++) qv[i] = load16(q + i * 16) * splat(a->scale);
-        for (; j + 16 <= keys; j += 16) {
-            for (int jj = 0; jj < 16; jj++) {
-                const float *kj = k + (j + jj) * d;
-                v16 acc = qv[0] * load16(kj);
-                for (int64_t i = 1; i < nv; i++) acc += qv[i] * load16(kj + i * 16);
-                part[jj] = acc;
+    for (; j < common; j++) { /* every query of the chunk sees key j */
+        const float *vj = v + j * d + e0 * 16;
+        v16 vv[4];
+        for (int b = 0; b < W; b++) vv[b] = load16(vj + b * 16);
+        for (int i = 0; i < 4; i++) {
+            v16 p = bcast(st[j * 16 + c + i]);
+            for (int b = 0; b < W; b++) acc[i][b] += p * vv[b];
+        }
+    }
+    for (; j < most; j++) { /* the causal edge: only the queries that see key j add it */
+        const float *vj = v + j * d + e0 * 16;
+        for (int i = 0; i < 4; i++)
+            if (c + i < nq && j < limit[c + i]) {
+                v16 p = bcast(st[j * 16 + c + i]);
+                for (int b = 0; b < W; b++) acc[i][b] += p * load16(vj + b * 16);
             }
-            v16 s = reduce16(part);
-            store16(scores + j, s);
-            for (int jj = 0; jj < 16; jj++) mx = s[jj] > mx ? s[jj] : mx;
-        }
-        for (; j < keys; j++) {
-            const float *kj = k + j * d;
-            v16 acc = qv[0] * load16(kj);
-            for (int64_t i = 1; i < nv; i++) acc += qv[i] * load16(kj + i * 16);
-            float s = hsum(acc);
-            scores[j] = s;
-            mx = s > mx ? s : mx;
-        }
-    } else {
-        for (; j < keys; j++) {
-            const float *kj = k + j * d;
-            float s = 0.0f;
-            for (int64_t i = 0; i < d; i++) s += (q[i] * a->scale) * kj[i];
-            scores[j] = s;
-            mx = s > mx ? s : mx;
-        }
     }
-    int64_t k16 = keys / 16 * 16;
-    v16 acc = splat(0.0f);
-    for (int64_t j = 0; j < k16; j += 16) {
-        v16 p = vexp(load16(scores + j) - splat(mx));
-        store16(scores + j, p);
-        acc += p;
-    }
-    float sum = hsum(acc);
-    for (int64_t j = k16; j < keys; j++) {
-        scores[j] = sexp(scores[j] - mx);
-        sum += scores[j];
-    }
-    float *o = a->out + t * a->out_stride + h * d;
-    if (d16 == d && d <= 256) {
-        v16 ov[16];
-        int64_t nv = d / 16;
-        for (int64_t i = 0; i < nv; i++) ov[i] = splat(0.0f);
-        for (int64_t j = 0; j < keys; j++) {
-            v16 p = splat(scores[j]);
-            const float *vj = v + j * d;
-            for (int64_t i = 0; i < nv; i++) ov[i] += p * load16(vj + i * 16);
-        }
-        for (int64_t i = 0; i < nv; i++) store16(o + i * 16, ov[i] / splat(sum));
-    } else {
-        for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
-        for (int64_t j = 0; j < keys; j++)
-            for (int64_t i = 0; i < d; i++) o[i] += scores[j] * v[j * d + i];
-        for (int64_t i = 0; i < d; i++) o[i] /= sum;
-    }
+    for (int i = 0; i < 4 && c + i < nq; i++)
+        for (int b = 0; b < W; b++) store16(outs[c + i] + (e0 + b) * 16, acc[i][b] / splat(sums[c + i]));
 }
 
-CLONES static void attend_items(const attn_args *a, int64_t i0, int64_t i1, float *scores) {
-    /* items are (segment row, head) pairs numbered segment by segment, row-major over heads */
-    int64_t s = 0, base = 0;
-    for (int64_t i = i0; i < i1; i++) {
-        while (i >= base + a->segs[s * 5 + 3] * a->heads) base += a->segs[s++ * 5 + 3] * a->heads;
-        int64_t local = i - base;
-        attend_one(a, a->segs + s * 5, local / a->heads, local % a->heads, scores);
+/* One item of attention: up to 16 queries that read the same keys (one KV head of one segment),
+ * one query a vector lane. A segment's queries of KV head g are numbered row-major over the
+ * group's heads (query i: row i / group, head g * group + i % group), so a step's rows share every
+ * key and value they read: loaded once for 16 queries instead of once per (row, head).
+ *
+ * Each query's arithmetic depends on nothing but its own inputs (the contract above): its score
+ * for key j is q . k_j summed over the head dimension in order (one lane, one FMA per element),
+ * its softmax takes the max and the sum over its own keys 0 .. start + row in order (lanes past a
+ * query's own keys are set to -inf, then to exactly 0, and are skipped where they would add), and
+ * its output sums p_j v_j over those keys in order. Which other queries share its vector, and how
+ * many, changes no bit. */
+CLONES static void attend_group(const attn_args *a, const int64_t *seg, int64_t g, int64_t q0, int nq, float *qt,
+                                float *st) {
+    const int64_t d = a->d, group = a->heads / a->kv_heads, start = seg[2];
+    const float *k = kv_at(a, seg, 0, g), *v = kv_at(a, seg, 1, g);
+    int64_t limit[16], keys = 0;
+    float *outs[16];
+    const float *qs[16];
+    int32_t lims[16];
+    for (int i = 0; i < 16; i++) {
+        limit[i] = 0;
+        qs[i] = NULL;
+        if (i < nq) {
+            int64_t qi = q0 + i, r = qi / group, h = g * group + qi % group, t = seg[4] + r;
+            qs[i] = a->qkv + t * a->stride + a->q_off + h * d;
+            limit[i] = start + r + 1;
+            outs[i] = a->out + t * a->out_stride + h * d;
+            keys = limit[i] > keys ? limit[i] : keys;
+        }
+        lims[i] = (int32_t)limit[i];
     }
+    v16i lim;
+    memcpy(&lim, lims, sizeof lim);
+    for (int64_t e = 0; e < d; e++) { /* the queries transposed: qt[e] holds element e of each, scaled */
+        float col[16];
+        for (int i = 0; i < 16; i++) col[i] = qs[i] ? qs[i][e] * a->scale : 0.0f;
+        memcpy(qt + e * 16, col, sizeof col);
+    }
+    /* scores, key j in st[j * 16 ..]: eight keys at a time (eight FMA chains in flight), each
+     * lane summed over e in order */
+    int64_t j = 0;
+    for (; j + 8 <= keys; j += 8) {
+        const float *k0 = k + j * d;
+        v16 s[8] = {{0}};
+        for (int64_t e = 0; e < d; e++) {
+            v16 qv = load16(qt + e * 16);
+            for (int i = 0; i < 8; i++) s[i] += qv * bcast(k0[i * d + e]);
+        }
+        for (int i = 0; i < 8; i++) store16(st + (j + i) * 16, s[i]);
+    }
+    for (; j < keys; j++) {
+        v16 s0 = {0};
+        for (int64_t e = 0; e < d; e++) s0 += load16(qt + e * 16) * bcast(k[j * d + e]);
+        store16(st + j * 16, s0);
+    }
+    /* softmax per lane over its own keys: max, then exp and the sum in order (lanes past a
+     * query's keys -inf, then exactly 0) */
+    const v16 ninf = splat(-INFINITY);
+    v16 mx = ninf;
+    for (j = 0; j < keys; j++) {
+        v16i seen = (v16i){0} + (int32_t)j < lim;
+        v16 s = (v16)((seen & (v16i)load16(st + j * 16)) | (~seen & (v16i)ninf));
+        store16(st + j * 16, s);
+        mx = vmax(mx, s);
+    }
+    mx = (v16)(((v16i){0} < lim) & (v16i)mx); /* unused lanes: 0, not -inf (no inf - inf) */
+    v16 sum = {0};
+    for (j = 0; j < keys; j++) {
+        v16i seen = (v16i){0} + (int32_t)j < lim;
+        v16 p = (v16)(seen & (v16i)vexp(load16(st + j * 16) - mx));
+        store16(st + j * 16, p);
+        sum += p;
+    }
+    float sums[16];
+    memcpy(sums, &sum, sizeof sums);
+    /* values, four queries and up to four vectors of the head dimension at a time (its d % 16
+     * tail one float at a time, in the same order) */
+    int64_t nv = d / 16, d16 = nv * 16;
+    for (int64_t e0 = 0; e0 < nv; e0 += 4)
+        for (int c = 0; c < nq; c += 4) switch (nv - e0 < 4 ? nv - e0 : 4) {
+            case 4: values4(v, d, e0, 4, st, c, limit, outs, nq, sums); break;
+            case 3: values4(v, d, e0, 3, st, c, limit, outs, nq, sums); break;
+            case 2: values4(v, d, e0, 2, st, c, limit, outs, nq, sums); break;
+            default: values4(v, d, e0, 1, st, c, limit, outs, nq, sums); break;
+            }
+    for (int64_t e = d16; e < d; e++)
+        for (int i = 0; i < nq; i++) {
+            float o = 0.0f;
+            for (j = 0; j < limit[i]; j++) o += st[j * 16 + i] * v[j * d + e];
+            outs[i][e] = o / sums[i];
+        }
+}
+
+/* A segment's items: per KV head, its rows x group queries in chunks of 16. */
+INLINE int64_t segment_items(const attn_args *a, const int64_t *seg) {
+    return a->kv_heads * ((seg[3] * (a->heads / a->kv_heads) + 15) / 16);
+}
+
+CLONES static void attend_item(const attn_args *a, int64_t item, float *qt, float *st) {
+    int64_t s = 0, n;
+    while (item >= (n = segment_items(a, a->segs + s * 5))) {
+        item -= n;
+        s++;
+    }
+    const int64_t *seg = a->segs + s * 5;
+    int64_t per_head = n / a->kv_heads, queries = seg[3] * (a->heads / a->kv_heads);
+    int64_t g = item / per_head, q0 = item % per_head * 16;
+    attend_group(a, seg, g, q0, (int)(queries - q0 < 16 ? queries - q0 : 16), qt, st);
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated (nothing is computed then). */
@@ -316,15 +358,15 @@ int sd_attention(float *qkv, int64_t stride, int64_t q_off, int64_t k_off, int64
                  int64_t layer, float scale, float *out, int64_t out_stride) {
     attn_args a = {qkv, stride, q_off, k_off, v_off, heads, kv_heads, d, cos, sin, segs, nseg, layer, scale,
                    out, out_stride};
-    int64_t rows = 0, longest = 0;
+    int64_t items = 0, longest = 0, work = 0;
     for (int64_t s = 0; s < nseg; s++) {
-        rows += segs[s * 5 + 3];
+        items += segment_items(&a, segs + s * 5);
         int64_t keys = segs[s * 5 + 2] + segs[s * 5 + 3];
         longest = keys > longest ? keys : longest;
+        work += segs[s * 5 + 3] * heads * keys;
     }
-    int64_t items = rows * heads;
     int failed = 0;
-#pragma omp parallel if (items * longest >= 1024)
+#pragma omp parallel if (work >= 1024)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int64_t s = 0; s < nseg; s++) {
@@ -332,15 +374,16 @@ int sd_attention(float *qkv, int64_t stride, int64_t q_off, int64_t k_off, int64
             if (r0 < r1) rope_store(qkv, &a, segs + s * 5, r0, r1);
         }
 #pragma omp barrier
-        float *scores = malloc((size_t)(longest + 16) * sizeof(float));
-        if (!scores) {
+        /* queries transposed (d x 16), then each key's 16 scores */
+        float *scratch = aligned_alloc(64, (size_t)(d * 16 + (longest + 4) * 16) * sizeof(float));
+        if (!scratch) {
 #pragma omp atomic write
             failed = 1;
-        } else {
-            int64_t per = (items + nt - 1) / nt, i0 = t * per, i1 = i0 + per < items ? i0 + per : items;
-            if (i0 < i1) attend_items(&a, i0, i1, scores);
-            free(scores);
         }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++)
+            if (scratch) attend_item(&a, i, scratch, scratch + d * 16);
+        free(scratch);
     }
     return failed ? -1 : 0;
 }
@@ -349,15 +392,27 @@ int sd_attention(float *qkv, int64_t stride, int64_t q_off, int64_t k_off, int64
  *
  * y[M, N] = act(x[M, K] @ W^T + bias) + residual. W [N, K] is packed once (sd_pack_linear) into
  * panels of 16 output columns, each K x 16 floats laid out k-major (the last panel zero-padded),
- * so a pass streams every weight exactly once, sequentially, whatever M. Each output (m, n) is one
- * vector lane summed over k = 0 .. K-1 in order: the same additions for a row alone or among any
- * other rows, on any thread (the contract above). Rows are taken 6 at a time against 4 panels
- * (24 accumulators with AVX-512), so the weights read serve 6 rows; a lone row still streams them
- * at memory speed. Threads split the panels.
+ * so a pass streams every weight once, sequentially. Each output (m, n) is one vector lane summed
+ * over k = 0 .. K-1 in order, one FMA a k: the same additions for a row alone or among any other
+ * rows, in any tile shape, on any thread (the contract above). Threads split the panels.
+ *
+ * Schedule, by the pass's rows M (AVX-512; AVX2 and the baseline take 4 rows x 1 panel tiles):
+ *   M <= COL_MAX (a plain step, a verify of up to 16 draft tokens): column passes, every row
+ *     against one panel (M accumulators), so the weights are read once for all rows while the
+ *     rows' x stays in cache; each pass prefetches its own stream AHEAD bytes ahead. A pass of
+ *     M rows then costs about what one row does until the arithmetic outgrows the streaming.
+ *   M > COL_MAX (prefills, large batches): tiles of 6 rows x 4 panels (24 accumulators), every
+ *     weight read serving 6 rows; the first row tile streams the group from memory, the later
+ *     ones find it in L2 and meanwhile prefetch the next group, so memory keeps streaming.
+ * Measured (the embedded target's 121 linears, 2 cores, medians of 41 interleaved passes): 17
+ * rows cost 1.55x one row in 6 x 4 tiles without prefetching and 1.1-1.2x in column passes
+ * (docs/performance.md).
  */
 
 #define PANEL 16
-#define PANELS 4 /* panels per tile */
+#define PANELS 4     /* panels per group: a 6 x 4 tile's width */
+#define AHEAD 4096   /* bytes a column pass prefetches ahead of its loads */
+#define COL_MAX 17   /* passes of at most this many rows run as column passes */
 
 void sd_pack_linear(const float *w, int64_t n, int64_t k, float *panels) {
     int64_t np = (n + PANEL - 1) / PANEL;
@@ -403,11 +458,27 @@ INLINE void store_panel(const linear_args *a, int64_t row, int64_t p, v16 acc) {
     else memcpy(out, &v, valid * sizeof(float));
 }
 
-/* One tile: `rows` rows against `panels` panels, each panel held as 16 / W vectors of W floats
- * (W = 16 with AVX-512; 8 with AVX2, whose 16 registers hold a 4 x 2 tile of 8-float vectors).
- * Every lane is one output summed over k in order, so both widths compute the same bits. */
+/* What a tile prefetches (into L2) while it computes: nothing (NULL), or at its k-th step `per`
+ * 64-byte lines, from + k * step + c * gap (c < per), for its first `steps` k. */
+typedef struct {
+    const float *from;
+    int64_t steps, step, gap;
+    int per;
+} prefetch;
+
+INLINE void prefetch_step(const prefetch *f, int64_t kk) {
+    if (!f || kk >= f->steps) return;
+    for (int c = 0; c < 4; c++)
+        if (c < f->per) __builtin_prefetch(f->from + kk * f->step + c * f->gap, 0, 2);
+}
+
+/* One tile: `rows` rows from m0 against `panels` panels from p0, each panel held as 16 / W vectors
+ * of W floats (W = 16 with AVX-512; 8 with AVX2, whose 16 registers hold a 4 x 2 tile of 8-float
+ * vectors). Every lane is one output summed over k in order, so every shape and width computes
+ * the same bits. */
 #define LINEAR_TILE(NAME, VEC, W, MAXR, MAXP, BCAST)                                                \
-    INLINE void NAME(const linear_args *a, int64_t m0, int64_t p0, const int rows, const int panels) { \
+    INLINE void NAME(const linear_args *a, int64_t m0, int64_t p0, const int rows, const int panels, \
+                     const prefetch *f) {                                                           \
         enum { PER = PANEL / W };                                                                   \
         VEC acc[MAXR][MAXP * PER];                                                                  \
         const int64_t k = a->k;                                                                     \
@@ -417,6 +488,7 @@ INLINE void store_panel(const linear_args *a, int64_t row, int64_t p, v16 acc) {
             for (int b = 0; b < panels * PER; b++) acc[r][b] = (VEC){0};                            \
         for (int64_t kk = 0; kk < k; kk++) {                                                        \
             VEC w[MAXP * PER];                                                                      \
+            prefetch_step(f, kk);                                                                   \
             for (int b = 0; b < panels; b++)                                                        \
                 for (int h = 0; h < PER; h++) memcpy(&w[b * PER + h], w0 + (b * k + kk) * PANEL + h * W, sizeof(VEC)); \
             for (int r = 0; r < rows; r++) {                                                        \
@@ -441,41 +513,76 @@ typedef float v8 __attribute__((vector_size(32)));
 #define BCAST16(f) ((v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f})
 #define BCAST8(f) ((v8){f, f, f, f, f, f, f, f})
 LINEAR_TILE(tile16, v16, 16, 6, PANELS, BCAST16)
+LINEAR_TILE(column16, v16, 16, COL_MAX, 1, BCAST16)
 LINEAR_TILE(tile8, v8, 8, 4, 1, BCAST8)
 
-#define TILE_ROWS(TILE, a, m0, p, rows, panels)                            \
+/* A tile of `rows` (<= MAXR) rows, its row count a constant in each case. */
+#define TILE_ROWS(TILE, MAXR, a, m0, p, rows, panels, f)                     \
     switch (rows) {                                                          \
-    case 6: TILE(a, m0, p, 6, panels); break;                                \
-    case 5: TILE(a, m0, p, 5, panels); break;                                \
-    case 4: TILE(a, m0, p, 4, panels); break;                                \
-    case 3: TILE(a, m0, p, 3, panels); break;                                \
-    case 2: TILE(a, m0, p, 2, panels); break;                                \
-    default: TILE(a, m0, p, 1, panels); break;                               \
+    case 6: if (MAXR >= 6) TILE(a, m0, p, 6, panels, f); break;              \
+    case 5: if (MAXR >= 5) TILE(a, m0, p, 5, panels, f); break;              \
+    case 4: TILE(a, m0, p, 4, panels, f); break;                             \
+    case 3: TILE(a, m0, p, 3, panels, f); break;                             \
+    case 2: TILE(a, m0, p, 2, panels, f); break;                             \
+    default: TILE(a, m0, p, 1, panels, f); break;                            \
     }
 
-/* Panels [p0, p1) for every row: TILE_R rows by STEP panels a tile (the last panels one at a time). */
-#define LINEAR_PANELS(NAME, TILE, TILE_R, STEP)                                              \
-    static void NAME(const linear_args *a, int64_t p0, int64_t p1) {                          \
-        for (int64_t p = p0; p < p1;) {                                                       \
-            int whole = p + STEP <= p1;                                                        \
-            for (int64_t m0 = 0; m0 < a->m; m0 += TILE_R) {                                    \
-                int rows = a->m - m0 < TILE_R ? (int)(a->m - m0) : TILE_R;                     \
-                if (whole) {                                                                   \
-                    TILE_ROWS(TILE, a, m0, p, rows, STEP)                                      \
-                } else {                                                                       \
-                    TILE_ROWS(TILE, a, m0, p, rows, 1)                                         \
-                }                                                                              \
-            }                                                                                  \
-            p += whole ? STEP : 1;                                                             \
-        }                                                                                      \
+/* Panels [p0, p1) for every row in tiles of TILE_R rows by STEP panels (the last panels one at a
+ * time), with the prefetches described above when STEP is a whole group. */
+#define LINEAR_TILES(NAME, TILE, TILE_R, STEP)                                                      \
+    static void NAME(const linear_args *a, int64_t p0, int64_t p1) {                               \
+        const int64_t k = a->k, tiles = (a->m + TILE_R - 1) / TILE_R;                               \
+        for (int64_t p = p0; p < p1;) {                                                             \
+            int whole = STEP == PANELS && p + STEP <= p1;                                           \
+            const float *here = a->panels + p * k * PANEL;                                          \
+            /* the next group's k, shared among the later row tiles: all its panels at each k */    \
+            int64_t share = tiles > 1 ? (k + tiles - 2) / (tiles - 1) : 0;                          \
+            int next = whole && tiles > 1 && p + 2 * STEP <= p1;                                    \
+            for (int64_t m0 = 0; m0 < a->m; m0 += TILE_R) {                                         \
+                int rows = a->m - m0 < TILE_R ? (int)(a->m - m0) : TILE_R;                          \
+                int64_t t = m0 / TILE_R;                                                            \
+                int64_t first = (t - 1) * share, steps = k - first < share ? k - first : share;     \
+                prefetch later = {here + (STEP * k + first) * PANEL, steps, PANEL, k * PANEL, STEP}; \
+                const prefetch *f = t > 0 && next ? &later : NULL;                                  \
+                if (whole) {                                                                        \
+                    TILE_ROWS(TILE, TILE_R, a, m0, p, rows, STEP, f)                                \
+                } else {                                                                            \
+                    TILE_ROWS(TILE, TILE_R, a, m0, p, rows, 1, NULL)                                \
+                }                                                                                   \
+            }                                                                                       \
+            p += whole ? STEP : 1;                                                                  \
+        }                                                                                           \
     }
 
-/* The instruction set is chosen once, at the first call: AVX-512 (6 rows x 4 panels a tile),
- * AVX2 + FMA (4 rows x 1 panel), else the baseline (no FMA: other roundings, the same order). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target("avx512f"))) LINEAR_PANELS(linear_panels_avx512, tile16, 6, PANELS)
-__attribute__((target("arch=x86-64-v3"))) LINEAR_PANELS(linear_panels_avx2, tile8, 4, 1)
-LINEAR_PANELS(linear_panels_base, tile8, 4, 1)
+#define COLUMN_CASE(R) case R: column16(a, 0, p, R, 1, &own); break;
+/* Panels [p0, p1) in column passes (M <= COL_MAX): see the schedule above. */
+__attribute__((target("avx512f"))) static void linear_columns_avx512(const linear_args *a, int64_t p0, int64_t p1) {
+    const int64_t k = a->k;
+    for (int64_t p = p0; p < p1; p++) {
+        /* each pass prefetches its own stream AHEAD bytes ahead of its loads (into the next
+         * panel's first lines at its end) */
+        prefetch own = {a->panels + p * k * PANEL + AHEAD / sizeof(float), k, PANEL, 0, 1};
+        switch (a->m) {
+            COLUMN_CASE(1) COLUMN_CASE(2) COLUMN_CASE(3) COLUMN_CASE(4) COLUMN_CASE(5) COLUMN_CASE(6)
+            COLUMN_CASE(7) COLUMN_CASE(8) COLUMN_CASE(9) COLUMN_CASE(10) COLUMN_CASE(11) COLUMN_CASE(12)
+            COLUMN_CASE(13) COLUMN_CASE(14) COLUMN_CASE(15) COLUMN_CASE(16)
+            default: column16(a, 0, p, COL_MAX, 1, &own); break;
+        }
+    }
+}
+#endif
+
+/* The instruction set is chosen once, at the first call: AVX-512 (the schedule above), AVX2 + FMA
+ * (4 rows x 1 panel), else the baseline (no FMA: other roundings, the same order). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("avx512f"))) LINEAR_TILES(linear_tiles_avx512, tile16, 6, PANELS)
+__attribute__((target("avx512f"))) static void linear_panels_avx512(const linear_args *a, int64_t p0, int64_t p1) {
+    if (a->m <= COL_MAX) linear_columns_avx512(a, p0, p1);
+    else linear_tiles_avx512(a, p0, p1);
+}
+__attribute__((target("arch=x86-64-v3"))) LINEAR_TILES(linear_panels_avx2, tile8, 4, 1)
+LINEAR_TILES(linear_panels_base, tile8, 4, 1)
 typedef void (*panels_fn)(const linear_args *, int64_t, int64_t);
 static panels_fn pick_panels(void) {
     /* SPECDEC_NATIVE_ISA=avx2|baseline: at most that (for tests and comparisons) */
@@ -487,7 +594,7 @@ static panels_fn pick_panels(void) {
     return linear_panels_base;
 }
 #else
-LINEAR_PANELS(linear_panels_base, tile8, 4, 1)
+LINEAR_TILES(linear_panels_base, tile8, 4, 1)
 typedef void (*panels_fn)(const linear_args *, int64_t, int64_t);
 static panels_fn pick_panels(void) { return linear_panels_base; }
 #endif
@@ -517,10 +624,16 @@ void sd_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_
     if (!run) run = pick_panels(); /* the same answer on every thread: a benign race */
     linear_args a = {x, panels, bias, residual, y, m, k, n, act};
     int64_t np = (n + PANEL - 1) / PANEL;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    /* column passes take any share of the panels: split them evenly (36 panels: 18 + 18, not 20 + 16) */
+    int64_t step = run == linear_panels_avx512 && m <= COL_MAX ? 1 : PANELS;
+#else
+    int64_t step = PANELS;
+#endif
 #pragma omp parallel if (m * n * k >= (1 << 15))
     {
         int64_t p0, p1;
-        if (thread_panels(np, PANELS, &p0, &p1)) run(&a, p0, p1);
+        if (thread_panels(np, step, &p0, &p1)) run(&a, p0, p1);
     }
 }
 

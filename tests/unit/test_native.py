@@ -116,10 +116,12 @@ def test_attention_matches_sdpa_and_writes_the_rotated_keys(native, heads, kvh, 
         assert torch.equal(seg.kv.kv[1, 1, :, :end], values)
 
 
-def test_attention_rows_are_independent_bit_for_bit(native):
+@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (4, 4, 40), (2, 1, 128)])
+def test_attention_rows_are_independent_bit_for_bit(native, heads, kvh, d):
     """A segment of 17 rows computes exactly what 17 one-row passes compute, and a session's rows
-    do not change when other sessions share the pass (the verify = plain steps contract)."""
-    heads, kvh, d = 9, 3, 64
+    do not change when other sessions share the pass (the verify = plain steps contract). The
+    kernel takes a KV head's queries 16 at a time (51, 17 and 34 of them here), each alone in
+    its vector lane; head sizes on and off the 16-float vectors."""
     offsets = (0, heads * d, (heads + kvh) * d)
     qkv, segments, cos, sin = _layout(heads, kvh, d, [(300, 17)], layers=1, seed=3)
     snapshot = segments[0].kv.kv.clone()
@@ -222,6 +224,25 @@ def test_exp_is_accurate_over_softmax_inputs(native):
     assert torch.allclose(out[0], want, rtol=1e-5, atol=1e-30)
     assert math.isclose(float(out.sum()), 1.0, rel_tol=1e-6)
     assert os.path.exists(native_mod.kernels().path)
+
+
+@pytest.mark.parametrize("n,k", [(200, 72), (576, 576), (16, 1536)])
+def test_linear_rows_are_the_same_bits_in_every_schedule(native, n, k):
+    """A pass of up to 17 rows runs as column passes (every row against one panel), a larger one
+    in 6-row x 4-panel tiles: each output is still one lane summed over k in order, so a row
+    computes the same bits alone, in a verify-sized pass or in a prefill-sized one (weights with
+    whole groups of panels and a lone last one; bias, tanh-GELU and residual fused)."""
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(40, k, generator=gen)
+    bias, residual = torch.randn(n, generator=gen), torch.randn(40, n, generator=gen)
+    panels = native.pack_linear(w)
+    alone = torch.cat([native.linear(x[i:i + 1].contiguous(), panels, n, bias, "gelu_tanh", residual[i:i + 1].contiguous())
+                       for i in range(40)])
+    want = F.gelu(x @ w.T + bias, approximate="tanh") + residual
+    assert torch.allclose(alone, want, rtol=1e-4, atol=1e-4)
+    for rows in (6, 17, 18, 40):
+        together = native.linear(x[:rows].contiguous(), panels, n, bias, "gelu_tanh", residual[:rows].contiguous())
+        assert torch.equal(together, alone[:rows]), f"{rows} rows differ from the same rows alone"
 
 
 _ISA_SCRIPT = """
