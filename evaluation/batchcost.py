@@ -6,7 +6,9 @@ This is the table that says whether speculation can win under load: batched plai
 B tokens per target pass, speculation needs k draft steps of B sessions as well, so once a draft
 step of B sessions costs about as much as a target pass of B rows, a draft token is no cheaper
 than a target one and plain decoding wins. Each session has ``--context`` tokens cached first
-(random ids, the same for every mode); every figure is the median of ``--repeats`` steps.
+(random ids, the same for every mode); every figure is the median of ``--repeats`` rounds, each
+round timing every row count, batch size and kernel once, interleaved. A second table gives each
+pass against the pass of the first row count in the same round.
 The services set the same thread counts (target: all cores, with the bounded OpenMP spin;
 draft: llama.cpp on one thread, as when it yields cores to a busy target), so the figures match
 what they pay per step under load. ``--kernels runner runner-ops packed onednn mkl`` times the
@@ -106,7 +108,8 @@ def resolve_target(target: str) -> str:
     return target
 
 
-def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
+def target_costs(args: argparse.Namespace) -> tuple[dict[tuple[str, int, int], float],
+                                                   dict[tuple[str, int, int], list[float]]]:
     from specdec.engine import fast_linears
     from specdec.models import load_hf
     from specdec.sessions import SessionStore
@@ -139,32 +142,45 @@ def target_costs(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
                              f"runner, {', '.join(available)}")
     runners = {name: engine.lm.runner for name, engine in engines.items()}  # _select takes them away
     rng = random.Random(0)
-    out = {}
-    for q in args.rows:
-        for b in args.batches:
-            seqs = [_ids(rng, args.context) for _ in range(b)]
-            for engine in engines.values():
-                for i, s in enumerate(seqs):
-                    engine.verify(f"t{q}-{b}-{i}", s)
-            times: dict[str, list[float]] = {k: [] for k in args.kernels}
-            for _ in range(args.repeats):
-                for kernel in args.kernels:  # interleaved, so drift of the machine hits each alike
-                    name = "runner" if kernel == "runner" else "other"
-                    engine = engines[name]
-                    _select(engine, runners[name], kernel)
-                    # each step: the session's next token (uncached) plus q - 1 draft tokens
-                    jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1))
-                            for i, s in enumerate(seqs)]
-                    t = time.perf_counter()
-                    engine.step(jobs)
-                    times[kernel].append((time.perf_counter() - t) * 1e3)
-            for engine in engines.values():
-                for i in range(b):
-                    engine.release(f"t{q}-{b}-{i}")
+    # every (rows, batch) pair's sessions cached first, then each round times every pair and kernel
+    # once, interleaved, so drift of the machine hits each alike (and a ratio within one round
+    # compares passes a few ms apart)
+    pairs = [(q, b) for q in args.rows for b in args.batches]
+    seqs = {(q, b): [_ids(rng, args.context) for _ in range(b)] for q, b in pairs}
+    for engine in engines.values():
+        for (q, b), group in seqs.items():
+            for i, s in enumerate(group):
+                engine.verify(f"t{q}-{b}-{i}", s)
+    times: dict[tuple[str, int, int], list[float]] = {(k, b, q): [] for k in args.kernels for q, b in pairs}
+    for _ in range(args.repeats):
+        for q, b in pairs:
             for kernel in args.kernels:
-                out[(kernel, b, q)] = statistics.median(times[kernel])
-                logger.info("target (%s): %d sessions × %d rows: %.1f ms", kernel, b, q, out[(kernel, b, q)])
-    return out
+                name = "runner" if kernel == "runner" else "other"
+                engine = engines[name]
+                _select(engine, runners[name], kernel)
+                # each step: the session's next token (uncached) plus q - 1 draft tokens
+                jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1))
+                        for i, s in enumerate(seqs[(q, b)])]
+                t = time.perf_counter()
+                engine.step(jobs)
+                times[(kernel, b, q)].append((time.perf_counter() - t) * 1e3)
+    for engine in engines.values():
+        for (q, b), group in seqs.items():
+            for i in range(len(group)):
+                engine.release(f"t{q}-{b}-{i}")
+    out: dict[tuple[str, int, int], float] = {}
+    for (kernel, b, q), ms in times.items():
+        out[(kernel, b, q)] = statistics.median(ms)
+        logger.info("target (%s): %d sessions × %d rows: %.1f ms", kernel, b, q, out[(kernel, b, q)])
+    return out, times
+
+
+def relative(times: dict[tuple[str, int, int], list[float]], args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
+    """Each pass against the pass of the first row count in the same round (same kernel and
+    batch), median over the rounds: the noise-robust form of "a verify of q rows costs x plain steps"."""
+    q0 = args.rows[0]
+    return {(kernel, b, q): statistics.median(t / base for t, base in zip(ms, times[(kernel, b, q0)], strict=True))
+            for (kernel, b, q), ms in times.items()}
 
 
 def _select(engine: Any, runner: Any, kernel: str) -> None:
@@ -205,7 +221,8 @@ def draft_costs(args: argparse.Namespace) -> dict[int, float]:
     return out
 
 
-def render(target: dict[tuple[str, int, int], float], draft: dict[int, float], args: argparse.Namespace) -> str:
+def render(target: dict[tuple[str, int, int], float], draft: dict[int, float], args: argparse.Namespace,
+           rel: dict[tuple[str, int, int], float] | None = None) -> str:
     def name(kernel: str, what: str) -> str:
         return what if len(args.kernels) == 1 else f"{what}, {kernel}"
 
@@ -220,6 +237,13 @@ def render(target: dict[tuple[str, int, int], float], draft: dict[int, float], a
         cells = [str(b), *(report.fmt(target[(k, b, q)]) for k, q in cols), *drafted[:1],
                  *(report.fmt(target[(k, b, q)] / (b * q)) for k, q in cols), *drafted[1:]]
         lines.append("| " + " | ".join(cells) + " |")
+    if rel and len(args.rows) > 1:
+        q0, later = args.rows[0], args.rows[1:]
+        lines += ["", f"Each pass against the pass of {q0} row{'s' * (q0 > 1)} a session in the same round (median of the rounds' ratios):",
+                  "", "| sessions B | " + " | ".join(name(k, f"B×{q} / B×{q0}") for k in args.kernels for q in later) + " |",
+                  "|" + "---:|" * (1 + len(args.kernels) * len(later))]
+        for b in args.batches:
+            lines.append(f"| {b} | " + " | ".join(f"{rel[(k, b, q)]:.2f}×" for k in args.kernels for q in later) + " |")
     return "\n".join(lines)
 
 
@@ -229,12 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.runtime import configure_torch
 
     configure_torch(0)  # as the target service: all cores, bounded spin
-    target = target_costs(args)
+    target, times = target_costs(args)
+    rel = relative(times, args)
     draft = draft_costs(args)
-    table = render(target, draft, args)
+    table = render(target, draft, args, rel)
     results: dict[str, Any] = {
         "command": command, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "target_ms": {f"{kernel}:{b}x{q}": ms for (kernel, b, q), ms in target.items()}, "draft_step_ms": draft,
+        "target_relative": {f"{kernel}:{b}x{q}": r for (kernel, b, q), r in rel.items()},
     }
     write_results(out, results)
     (out / "results.md").write_text(f"# Batched step cost\n\nCommand: `{command}`\n\n{table}\n")
