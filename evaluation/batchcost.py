@@ -43,6 +43,7 @@ KERNELS = ("packed", "onednn", "mkl")  # specdec.engine.KERNELS but native (that
 # how a target pass can run: specdec's runner on specdec.native, the runner on oneDNN's packed
 # linears and torch ops (as without a C compiler), or transformers' forward on each oneDNN/MKL kernel
 VARIANTS = ("runner", "runner-ops", *KERNELS)
+ON_RUNNER = ("runner", "runner-against")  # variants on the natively packed copy of the model
 # transformers.GPT2Config overrides of the random models --target random:NAME builds
 RANDOM_CONFIGS: dict[str, dict[str, Any]] = {"gpt2": {}, "distilgpt2": {"n_layer": 6}}
 
@@ -68,8 +69,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(oneDNN on the packed weights), onednn (oneDNN on the row-major weights for passes of "
                         "specdec.engine.ONEDNN_MIN_ROWS rows or more, MKL below) or mkl (MKL at any row count); "
                         "default runner")
+    p.add_argument("--native-against", type=Path, default=None, metavar="KERNELS_C",
+                   help="another version of specdec/native/kernels.c (one whose linears read the same packed layout, "
+                        "e.g. `git show REV:specdec/native/kernels.c > old.c`): adds runner-against, the runner on that "
+                        "build, timed interleaved with runner on the current one")
     p.add_argument("--out", type=Path, default=None, help="output folder (default evaluation/results/batchcost-<timestamp>/)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.native_against is not None:
+        if not args.native_against.is_file():
+            p.error(f"--native-against: no such file: {args.native_against}")
+        args.kernels = [*dict.fromkeys(["runner", *args.kernels]), "runner-against"]
+    return args
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -127,16 +137,25 @@ def target_costs(args: argparse.Namespace) -> tuple[dict[tuple[str, int, int], f
     # "runner": specdec.native's linears and kernels (the service's default); every other variant
     # on a second copy of the model whose weights are packed for oneDNN, as without specdec.native
     engines = {}
+    natives: dict[str, Any] = {}  # runner and runner-against: the build each runs on
     if "runner" in args.kernels:
         engines["runner"] = engine_for(True)
         if engines["runner"].lm.runner is None or engines["runner"].lm.runner.native is None:
             raise SystemExit("specdec.native's kernels or the runner are unavailable here (see the log)")
-    if any(k != "runner" for k in args.kernels):
+        natives["runner"] = engines["runner"].lm.runner.native
+        if args.native_against is not None:
+            from specdec.native import Kernels, NativeError, build
+
+            try:
+                natives["runner-against"] = Kernels(build(source=args.native_against.resolve()))
+            except (NativeError, OSError) as exc:
+                raise SystemExit(f"--native-against {args.native_against}: {exc}") from None
+    if any(k not in ON_RUNNER for k in args.kernels):
         engines["other"] = engine_for(False)
     if "other" in engines:
         other = engines["other"]
         available = ("runner-ops",) * (other.lm.runner is not None) + other.lm.fast_linears.kernels
-        missing = [k for k in args.kernels if k != "runner" and k not in available]
+        missing = [k for k in args.kernels if k not in ON_RUNNER and k not in available]
         if missing:
             raise SystemExit(f"this model and torch build cannot run {', '.join(missing)}; they have "
                              f"runner, {', '.join(available)}")
@@ -155,9 +174,11 @@ def target_costs(args: argparse.Namespace) -> tuple[dict[tuple[str, int, int], f
     for _ in range(args.repeats):
         for q, b in pairs:
             for kernel in args.kernels:
-                name = "runner" if kernel == "runner" else "other"
+                name = "runner" if kernel in ON_RUNNER else "other"
                 engine = engines[name]
                 _select(engine, runners[name], kernel)
+                if kernel in natives:
+                    runners["runner"].use_kernels(natives[kernel])
                 # each step: the session's next token (uncached) plus q - 1 draft tokens
                 jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1))
                         for i, s in enumerate(seqs[(q, b)])]
@@ -188,7 +209,7 @@ def _select(engine: Any, runner: Any, kernel: str) -> None:
     on one linear kernel."""
     lm = engine.lm
     lm.runner = runner if kernel.startswith("runner") else None
-    if kernel not in ("runner", "runner-ops"):
+    if not kernel.startswith("runner"):
         lm.fast_linears.kernel = kernel
     elif lm.fast_linears.kernels:
         lm.fast_linears.kernel = lm.fast_linears.kernels[0]
@@ -239,7 +260,8 @@ def render(target: dict[tuple[str, int, int], float], draft: dict[int, float], a
         lines.append("| " + " | ".join(cells) + " |")
     if rel and len(args.rows) > 1:
         q0, later = args.rows[0], args.rows[1:]
-        lines += ["", f"Each pass against the pass of {q0} row{'s' * (q0 > 1)} a session in the same round (median of the rounds' ratios):",
+        rows = f"{q0} row{'s' * (q0 > 1)}"
+        lines += ["", f"Each pass against the pass of {rows} a session in the same round (median of the rounds' ratios):",
                   "", "| sessions B | " + " | ".join(name(k, f"B×{q} / B×{q0}") for k in args.kernels for q in later) + " |",
                   "|" + "---:|" * (1 + len(args.kernels) * len(later))]
         for b in args.batches:

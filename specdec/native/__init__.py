@@ -82,22 +82,23 @@ def compiler() -> str:
     return path
 
 
-def library_name() -> str:
+def library_name(source: Path = SOURCE) -> str:
     """The library's file name: a digest of the source, the flags and the machine architecture,
     so a changed kernel builds anew and a stale build is never loaded (a prebuilt library, as in
     the container image, needs no compiler where it runs)."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"
 
 
-def build(folder: Path | None = None) -> Path:
+def build(folder: Path | None = None, source: Path = SOURCE) -> Path:
     """The compiled library's path, compiling it first when ``folder`` has no build of this source
-    and flags yet (raises :class:`NativeError` with the compiler's message)."""
+    and flags yet (raises :class:`NativeError` with the compiler's message). ``source``: another
+    kernels.c (a benchmark comparing two versions)."""
     folder = folder or _folder()
-    target = folder / library_name()
+    target = folder / library_name(source)
     if target.exists():
         return target
     cc = compiler()
@@ -112,7 +113,7 @@ def build(folder: Path | None = None) -> Path:
     except OSError as exc:
         raise NativeError(f"cannot write to {folder}: {exc}") from exc
     os.close(fd)
-    cmd = [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+    cmd = [cc, *FLAGS, str(source), "-o", tmp, "-lm"]
     logger.info("compiling specdec's native kernels (a few seconds, once): %s", " ".join(cmd))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -120,7 +121,7 @@ def build(folder: Path | None = None) -> Path:
             raise NativeError(f"{Path(cc).name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeError(f"compiling {SOURCE.name} failed: {exc}") from exc
+        raise NativeError(f"compiling {source.name} failed: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -407,6 +407,27 @@ def test_batchcost_measures_both_engines(tmp_path):
     assert "B×2 / B×1" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.embedded
+def test_batchcost_times_another_build_of_the_kernels_against_this_one(tmp_path):
+    """``--native-against old.c`` builds that kernels.c and times the runner on it interleaved
+    with the current build, on the same packed weights; a file that does not compile is a clear
+    exit, not a traceback."""
+    from evaluation import batchcost
+    from specdec.native import SOURCE
+
+    other = tmp_path / "kernels-other.c"
+    other.write_text(SOURCE.read_text() + "\n/* another version */\n")
+    argv = ["--batches", "1", "--rows", "1,3", "--repeats", "2", "--context", "16", "--draft", "none",
+            "--native-against", str(other), "--out", str(tmp_path / "out")]
+    assert batchcost.main(argv) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(results["target_ms"]) == {f"{k}:1x{q}" for k in ("runner", "runner-against") for q in (1, 3)}
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    with pytest.raises(SystemExit, match="native-against"):
+        batchcost.main([*argv[:-4], "--native-against", str(broken), "--out", str(tmp_path / "out2")])
+
+
 def test_batchcost_relative_pairs_each_pass_with_its_own_round():
     """A pass is priced against the first row count's pass of the same round, not against a
     median taken over other minutes: a machine that slows down mid-run moves both alike."""
