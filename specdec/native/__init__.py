@@ -82,21 +82,22 @@ def compiler() -> str:
     return path
 
 
-def library_name(source: Path = SOURCE) -> str:
+def library_name(source: Path | None = None) -> str:
     """The library's file name: a digest of the source, the flags and the machine architecture,
     so a changed kernel builds anew and a stale build is never loaded (a prebuilt library, as in
     the container image, needs no compiler where it runs)."""
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
+    for part in ((source or SOURCE).read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"
 
 
-def build(folder: Path | None = None, source: Path = SOURCE) -> Path:
+def build(folder: Path | None = None, source: Path | None = None) -> Path:
     """The compiled library's path, compiling it first when ``folder`` has no build of this source
     and flags yet (raises :class:`NativeError` with the compiler's message). ``source``: another
-    kernels.c (a benchmark comparing two versions)."""
+    kernels.c (a benchmark comparing two versions; default :data:`SOURCE`)."""
+    source = source or SOURCE
     folder = folder or _folder()
     target = folder / library_name(source)
     if target.exists():
