@@ -57,6 +57,28 @@ def test_runner_logits_match_transformers_through_prefill_verify_and_steps(tiny_
     assert cached == 7 and torch.allclose(logits, full[7:10], atol=1e-5, rtol=1e-5)
 
 
+def test_the_llama_stack_in_one_call_computes_what_its_calls_one_by_one_compute(tiny_models):
+    """sd_forward_llama runs the decoder layers in C with the kernels the runner otherwise calls one
+    by one: the same logits and the same cache, bit for bit, through a batched prefill, a verify
+    and plain steps of two sessions."""
+    path = tiny_models["llama-target"]
+    fused, calls = _lm(path), _lm(path)
+    assert fused.runner.stack is not None and fused.runner.fused
+    calls.runner.fused = False
+    for lm in (fused, calls):
+        lm.forward_batch([ForwardRequest(lm.session("a"), IDS[:14], 3), ForwardRequest(lm.session("b"), IDS[5:9], 1)])
+    plans = [[("a", IDS[:20], 6), ("b", IDS[5:10], 1)], [("a", IDS[:21], 1)], [("b", IDS[5:11], 1), ("a", IDS[:22], 1)]]
+    for plan in plans:
+        got = [lm.forward_batch([ForwardRequest(lm.session(sid), ids, want) for sid, ids, want in plan])
+               for lm in (fused, calls)]
+        for mine, theirs in zip(*got, strict=True):
+            assert torch.equal(mine.logits, theirs.logits)
+    for sid in ("a", "b"):  # the cached positions (past them a grown buffer holds whatever it held)
+        n = len(fused.session(sid).tokens)
+        assert n == len(calls.session(sid).tokens)
+        assert torch.equal(fused.session(sid).cache.kv[:, :, :, :n], calls.session(sid).cache.kv[:, :, :, :n])
+
+
 def test_padded_rows_bucket_long_passes_by_at_most_an_eighth():
     sizes = [padded_rows(n) for n in range(1, 4097)]
     assert sizes[:PACK_PAD_ROWS] == [PACK_PAD_ROWS] * PACK_PAD_ROWS
