@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdec.native import Kernels, LlamaLayer, kernels
+from specdec.native import Kernels, Layer, kernels
 from specdec.ragged import Segment
 
 logger = logging.getLogger(__name__)
@@ -145,6 +145,29 @@ class _Runner:
         values into its KV buffer (positions ``start .. start + rows``)."""
         raise NotImplementedError
 
+    def _build_stack(self) -> None:
+        """The decoder layers as kernels.c's sd_forward_decoder reads them (``stack``: pointers into
+        the packed weights and norms, which live as long as the runner), where every linear is on
+        specdec.native; None otherwise. Each runner calls it at the end of its construction.
+        ``fused`` False keeps one call per kernel (the same kernels, the same bits; for tests)."""
+        self.stack: ctypes.Array | None = None
+        self.quant_k, self.fused = 0, True
+        parts = [self._stack_layer(i) for i in range(len(self.layers))]
+        linears = [self.lm_head, *(w for layer in parts for w in layer[:4])]
+        if self.native is None or any(lin.native is None for lin in linears):
+            return
+        stack = (Layer * len(parts))()
+        for i, (*ws, ln2_w, ln2_b, after_w, after_b) in enumerate(parts):
+            stack[i] = Layer(*(Kernels.lin(w.weight, w.out_features, w.bias) for w in ws),
+                             *(None if t is None else t.data_ptr() for t in (ln2_w, ln2_b, after_w, after_b)))
+        self.stack = stack
+        self.quant_k = max((lin.k for layer in stack for lin in (layer.qkv, layer.o, layer.up, layer.down)
+                            if lin.fmt >= 0), default=0)
+
+    def _stack_layer(self, i: int) -> tuple:
+        """Layer ``i``'s (qkv, o, up, down linears, ln2 weight, bias, the norm after it: weight, bias)."""
+        raise NotImplementedError
+
     def use_kernels(self, native: Kernels) -> None:
         """Run on another build of specdec.native (one whose linears read the same packed layout):
         how ``evaluation.batchcost --native-against`` times a kernel change against the current one
@@ -236,25 +259,11 @@ class LlamaRunner(_Runner):
         # the norm after each layer (the next layer's input norm, the final one after the last):
         # the native forward fuses each layer's residual add into it
         self.norms_after = [layer[0] for layer in self.layers[1:]] + [self.final_norm]
-        # the whole stack in one C call (sd_forward_llama) where every linear is on specdec.native;
-        # `fused` False keeps one call per kernel (the same kernels, the same bits; for tests)
-        self.stack, self.quant_k, self.fused = self._stack(), 0, True
-        if self.stack is not None:
-            self.quant_k = max((lin.k for layer in self.stack for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                                if lin.fmt >= 0), default=0)
+        self._build_stack()
 
-    def _stack(self) -> ctypes.Array | None:
-        """The decoder layers as kernels.c's sd_forward_llama reads them (pointers into the packed
-        weights and norms, which live as long as the runner), or None off specdec.native."""
-        linears = [part for layer in self.layers for part in layer if isinstance(part, _Linear)]
-        if self.native is None or any(lin.native is None for lin in linears):
-            return None
-        lin = Kernels.lin
-        stack = (LlamaLayer * len(self.layers))()
-        for i, (_, wqkv, wo, ln2, wgate_up, wdown) in enumerate(self.layers):
-            stack[i] = LlamaLayer(*(lin(w.weight, w.out_features, w.bias) for w in (wqkv, wo, wgate_up, wdown)),
-                                  ln2.data_ptr(), self.norms_after[i].data_ptr())
-        return stack
+    def _stack_layer(self, i: int) -> tuple:
+        ln1, wqkv, wo, ln2, wgate_up, wdown = self.layers[i]
+        return wqkv, wo, wgate_up, wdown, ln2, None, self.norms_after[i], None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm: x * rsqrt(mean(x^2) + eps), then the weight
@@ -290,14 +299,14 @@ class LlamaRunner(_Runner):
     def _forward_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: RunnerBatch) -> torch.Tensor:
         """:meth:`forward` with the work between the linears in specdec.native, three calls a layer:
         each residual add fused with the norm after it, rotary + KV write + attention, the gate. With
-        every linear on specdec.native too, the whole stack is one call (sd_forward_llama: the same
+        every linear on specdec.native too, the whole stack is one call (sd_forward_decoder: the same
         kernels in the same order, ~200 fewer Python-to-C calls a step of a 30-layer model)."""
         native, eps = self.native, self.eps
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
         table = native.segment_table(batch.segments)
         if self.stack is not None and self.fused and native.stacked:
-            h = native.forward_llama(x, self.layers[0][0], self.stack, heads, kvh, d, self.intermediate, cos, sin, table,
-                                     self.scale, eps, self.quant_k)
+            h = native.forward_decoder(x, (self.layers[0][0], None), self.stack, heads, kvh, d, True, "none", cos, sin,
+                                       table, self.scale, eps, self.quant_k)
             return self._logits(h, batch.keep, lambda y: y)
         offsets = (0, heads * d, (heads + kvh) * d)
         attn = x.new_zeros(x.shape[0], heads * d)  # rows outside every segment (padding) stay 0
@@ -340,6 +349,11 @@ class GPT2Runner(_Runner):
         ]
         # (weight, bias) of the norm after each layer, as in LlamaRunner.norms_after
         self.norms_after = [(layer[0], layer[1]) for layer in self.layers[1:]] + [self.final_norm]
+        self._build_stack()
+
+    def _stack_layer(self, i: int) -> tuple:
+        _, _, c_attn, c_proj, w2, b2, c_fc, mlp_proj = self.layers[i]
+        return c_attn, c_proj, c_fc, mlp_proj, w2, b2, *self.norms_after[i]
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         heads, d, n = self.heads, self.head_dim, self.hidden
@@ -362,6 +376,10 @@ class GPT2Runner(_Runner):
         specdec.native."""
         native, eps, heads, d, n = self.native, self.eps, self.heads, self.head_dim, self.hidden
         table = native.segment_table(batch.segments)
+        if self.stack is not None and self.fused and native.stacked:
+            h = native.forward_decoder(x, self.layers[0][:2], self.stack, heads, heads, d, False, "gelu_tanh", None, None,
+                                       table, self.scale, eps, self.quant_k)
+            return self._logits(h, batch.keep, lambda y: y)
         attn = x.new_zeros(x.shape[0], n)  # rows outside every segment (padding) stay 0
         h = native.add_norm(x, None, self.layers[0][0], self.layers[0][1], eps)
         for i, (_, _, c_attn, c_proj, w2, b2, c_fc, mlp_proj) in enumerate(self.layers):

@@ -2,7 +2,7 @@
 
 specdec.runner calls three of them a layer (residual add + norm, rotary + KV write + attention,
 the SwiGLU gate) instead of ~20 small torch ops, and for a Llama model whose linears are all on
-these kernels runs the whole decoder stack in one call (:meth:`Kernels.forward_llama`); see kernels.c
+these kernels runs the whole decoder stack in one call (:meth:`Kernels.forward_decoder`); see kernels.c
 for what they compute and why a row's result never depends on the rows beside it.
 
 The library is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into
@@ -62,17 +62,18 @@ class QuantWeight:
 
 
 class Lin(ctypes.Structure):
-    """kernels.c's sd_lin: one linear of :meth:`Kernels.forward_llama`."""
+    """kernels.c's sd_lin: one linear of :meth:`Kernels.forward_decoder`."""
 
     _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("fmt", ctypes.c_int64)]
 
 
-class LlamaLayer(ctypes.Structure):
-    """kernels.c's sd_llama_layer: one decoder layer of :meth:`Kernels.forward_llama`."""
+class Layer(ctypes.Structure):
+    """kernels.c's sd_layer: one decoder layer of :meth:`Kernels.forward_decoder` (``up``: gate/up
+    or c_fc; norm biases None for RMSNorm)."""
 
-    _fields_ = [("qkv", Lin), ("o", Lin), ("gate_up", Lin), ("down", Lin), ("ln2", ctypes.c_void_p),
-                ("norm_after", ctypes.c_void_p)]
+    _fields_ = [("qkv", Lin), ("o", Lin), ("up", Lin), ("down", Lin), ("ln2_w", ctypes.c_void_p),
+                ("ln2_b", ctypes.c_void_p), ("after_w", ctypes.c_void_p), ("after_b", ctypes.c_void_p)]
 
 
 class NativeError(RuntimeError):
@@ -185,12 +186,12 @@ class Kernels:
         self._attention.restype = ctypes.c_int
         # absent from builds of an older kernels.c (evaluation.batchcost --native-against): the
         # runner then calls the kernels one by one
-        self._forward_llama = getattr(lib, "sd_forward_llama", None)
-        self.stacked = self._forward_llama is not None
-        if self._forward_llama is not None:
-            self._forward_llama.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _F,
-                                            _P, _P, _P, _P, _P, _P, _P]
-            self._forward_llama.restype = ctypes.c_int
+        self._forward = getattr(lib, "sd_forward_decoder", None)
+        self.stacked = self._forward is not None
+        if self._forward is not None:
+            self._forward.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, _F, _F,
+                                      _P, _P, _P, _P, _P, _P, _P]
+            self._forward.restype = ctypes.c_int
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                  eps: float) -> torch.Tensor:
@@ -265,32 +266,38 @@ class Kernels:
     @staticmethod
     def lin(weight: torch.Tensor | QuantWeight, out_features: int, bias: torch.Tensor | None) -> Lin:
         """A packed linear (:meth:`pack_linear` panels or a :class:`QuantWeight`) as
-        :meth:`forward_llama` reads it; the tensors must outlive every call that uses it."""
+        :meth:`forward_decoder` reads it; the tensors must outlive every call that uses it."""
         if isinstance(weight, QuantWeight):
             return Lin(weight.data.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
                        weight.in_features, QUANT_FORMATS[weight.fmt])
         k = weight.numel() // ((out_features + PANEL - 1) // PANEL * PANEL)
         return Lin(weight.data_ptr(), None if bias is None else bias.data_ptr(), out_features, k, -1)
 
-    def forward_llama(self, x: torch.Tensor, ln1: torch.Tensor, layers: ctypes.Array, heads: int, kv_heads: int,
-                      head_dim: int, intermediate: int, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                      table: torch.Tensor, scale: float, eps: float, quant_k: int = 0) -> torch.Tensor:
-        """A Llama decoder stack (``layers``: an array of :class:`LlamaLayer`) over the [T, hidden]
-        residual stream ``x`` (updated in place) in one call: per layer the qkv linear, rotary + KV
-        write + attention, the output projection added and normed, the SwiGLU MLP added and normed,
-        exactly as specdec.runner's calls one by one. Returns the final norm of every row.
-        ``quant_k``: the widest input of a quantised linear (0: none)."""
+    def forward_decoder(self, x: torch.Tensor, ln1: tuple[torch.Tensor, torch.Tensor | None], layers: ctypes.Array,
+                        heads: int, kv_heads: int, head_dim: int, gated: bool, up_act: str, cos: torch.Tensor | None,
+                        sin: torch.Tensor | None, table: torch.Tensor, scale: float, eps: float,
+                        quant_k: int = 0) -> torch.Tensor:
+        """A decoder stack (``layers``: an array of :class:`Layer`) over the [T, hidden] residual
+        stream ``x`` (updated in place) in one call, exactly as specdec.runner's calls one by one:
+        per layer the qkv linear, rotary (``cos``/``sin``, or None) + KV write + attention, the
+        output projection added and normed, the MLP (``gated``: SwiGLU on a gate/up weight, else
+        the up projection with ``up_act`` fused) added and normed. ``ln1``: the first layer's input
+        norm (weight, bias or None). Returns the final norm of every row. ``quant_k``: the widest
+        input of a quantised linear (0: none)."""
         rows, hidden = x.shape
         h, delta = torch.empty_like(x), torch.empty_like(x)
+        width = layers[0].up.n
         qkv = x.new_empty(rows, (heads + 2 * kv_heads) * head_dim)
         attn = x.new_zeros(rows, heads * head_dim)  # rows outside every segment (padding) stay 0
-        gu, act = x.new_empty(rows, 2 * intermediate), x.new_empty(rows, intermediate)
+        up = x.new_empty(rows, width)
+        act = x.new_empty(rows, width // 2) if gated else None
         scratch = self._quant_scratch(rows * (quant_k + 12 * (quant_k // QUANT_BLOCK))) if quant_k else None
-        rc = self._forward_llama(x.data_ptr(), rows, hidden, ln1.data_ptr(), ctypes.addressof(layers), len(layers), heads,
-                                 kv_heads, head_dim, intermediate, None if cos is None else cos.data_ptr(),
-                                 None if sin is None else sin.data_ptr(), table.data_ptr(), table.shape[0], scale, eps,
-                                 h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), delta.data_ptr(), gu.data_ptr(),
-                                 act.data_ptr(), None if scratch is None else scratch.data_ptr())
+        rc = self._forward(x.data_ptr(), rows, hidden, ln1[0].data_ptr(), None if ln1[1] is None else ln1[1].data_ptr(),
+                           ctypes.addressof(layers), len(layers), heads, kv_heads, head_dim, int(gated),
+                           ACTIVATIONS[up_act], None if cos is None else cos.data_ptr(),
+                           None if sin is None else sin.data_ptr(), table.data_ptr(), table.shape[0], scale, eps,
+                           h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), delta.data_ptr(), up.data_ptr(),
+                           None if act is None else act.data_ptr(), None if scratch is None else scratch.data_ptr())
         if rc:
             raise MemoryError("native attention: no memory for its scores")
         return h

@@ -3,8 +3,8 @@
  * A one-row decoder step on a 2-core CPU spends a quarter of its time outside the weights: ~20
  * small torch ops a layer (norms, rotary, the KV write, attention, the MLP's gate), each a few
  * microseconds of dispatch around a few nanoseconds of arithmetic. These kernels do that work in
- * three calls a layer (or, for a Llama stack, one call for all its layers: sd_forward_llama), on fp32
- * tensors laid out as specdec.runner lays them out.
+ * three calls a layer (or one call for all the layers: sd_forward_decoder), on fp32 tensors laid out
+ * as specdec.runner lays them out.
  *
  * Row independence is the contract (specdec.runner): every output row, and every (row, head) of
  * attention, is computed by one thread, in one fixed order that depends only on that row's own
@@ -948,15 +948,17 @@ void sd_linear_quant(const float *x, int64_t m, int64_t k, const uint8_t *w, int
     }
 }
 
-/* ---- A whole Llama decoder stack in one call ----
+/* ---- A whole decoder stack in one call ----
  *
- * What specdec.runner's LlamaRunner does between the embedding and the lm_head, layer after layer,
- * with the same kernels in the same order (so the same bits), but without ~7 Python-to-C calls a
- * layer: ~200 a step of a 30-layer model, a few µs each. x [T, hidden] is the residual stream
- * (updated in place); on return h holds the final norm of every row. The caller provides the
- * scratch: qkv [T, (heads + 2 kv_heads) d], attn [T, heads d] zeroed (rows outside every segment
- * stay 0), delta [T, hidden], gu [T, 2 inter], act [T, inter], and for quantised linears qscratch
- * (sd_linear_quant's, for the widest k). Returns 0, or -1 when attention found no memory. */
+ * What specdec.runner does between the embedding and the lm_head, layer after layer, with the same
+ * kernels in the same order (so the same bits), but without ~7 Python-to-C calls a layer: ~200 a
+ * step of a 30-layer model, a few µs each. Llama (gated: RMSNorm, rotary, SwiGLU on a gate/up
+ * weight) and GPT-2 (LayerNorm with biases, no rotary, tanh-GELU fused into c_fc). x [T, hidden]
+ * is the residual stream (updated in place); on return h holds the final norm of every row. The
+ * caller provides the scratch: qkv [T, (heads + 2 kv_heads) d], attn [T, heads d] zeroed (rows
+ * outside every segment stay 0), delta [T, hidden], up [T, the up projection's width], act
+ * [T, inter] (gated only), and for quantised linears qscratch (sd_linear_quant's, for the widest
+ * k). Returns 0, or -1 when attention found no memory. */
 typedef struct {
     const void *w;     /* panels (sd_pack_linear) or packed blocks (sd_pack_quant) */
     const float *bias; /* or NULL */
@@ -965,33 +967,36 @@ typedef struct {
 } sd_lin;
 
 typedef struct {
-    sd_lin qkv, o, gate_up, down;
-    const float *ln2, *norm_after; /* RMSNorm weights: after attention, after the MLP (the next input norm) */
-} sd_llama_layer;
+    sd_lin qkv, o, up, down; /* up: gate/up (gated) or c_fc */
+    /* the norm after attention, and after the MLP (the next layer's input norm, the final one
+     * after the last); biases NULL for RMSNorm */
+    const float *ln2_w, *ln2_b, *after_w, *after_b;
+} sd_layer;
 
-static void run_linear(const sd_lin *l, const float *x, int64_t m, float *y, uint8_t *qscratch) {
-    if (l->fmt < 0) sd_linear(x, m, l->k, (const float *)l->w, l->n, l->bias, NULL, 0, y);
-    else sd_linear_quant(x, m, l->k, (const uint8_t *)l->w, (int)l->fmt, l->n, l->bias, NULL, 0, y, qscratch);
+static void run_linear(const sd_lin *l, const float *x, int64_t m, int act, float *y, uint8_t *qscratch) {
+    if (l->fmt < 0) sd_linear(x, m, l->k, (const float *)l->w, l->n, l->bias, NULL, act, y);
+    else sd_linear_quant(x, m, l->k, (const uint8_t *)l->w, (int)l->fmt, l->n, l->bias, NULL, act, y, qscratch);
 }
 
-int sd_forward_llama(float *x, int64_t rows, int64_t hidden, const float *ln1, const sd_llama_layer *layers,
-                     int64_t nlayers, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, const float *cos,
-                     const float *sin, const int64_t *segs, int64_t nseg, float scale, float eps, float *h, float *qkv,
-                     float *attn, float *delta, float *gu, float *act, uint8_t *qscratch) {
+int sd_forward_decoder(float *x, int64_t rows, int64_t hidden, const float *ln1_w, const float *ln1_b,
+                       const sd_layer *layers, int64_t nlayers, int64_t heads, int64_t kv_heads, int64_t d,
+                       int64_t gated, int64_t up_act, const float *cos, const float *sin, const int64_t *segs,
+                       int64_t nseg, float scale, float eps, float *h, float *qkv, float *attn, float *delta, float *up,
+                       float *act, uint8_t *qscratch) {
     int64_t width = (heads + 2 * kv_heads) * d;
-    sd_add_norm(x, NULL, ln1, NULL, h, rows, hidden, eps);
+    sd_add_norm(x, NULL, ln1_w, ln1_b, h, rows, hidden, eps);
     for (int64_t i = 0; i < nlayers; i++) {
-        const sd_llama_layer *l = layers + i;
-        run_linear(&l->qkv, h, rows, qkv, qscratch);
+        const sd_layer *l = layers + i;
+        run_linear(&l->qkv, h, rows, 0, qkv, qscratch);
         if (sd_attention(qkv, width, 0, heads * d, (heads + kv_heads) * d, heads, kv_heads, d, cos, sin, segs, nseg, i,
                          scale, attn, heads * d))
             return -1;
-        run_linear(&l->o, attn, rows, delta, qscratch);
-        sd_add_norm(x, delta, l->ln2, NULL, h, rows, hidden, eps); /* x += attention's projection */
-        run_linear(&l->gate_up, h, rows, gu, qscratch);
-        sd_silu_mul(gu, act, rows, inter);
-        run_linear(&l->down, act, rows, delta, qscratch);
-        sd_add_norm(x, delta, l->norm_after, NULL, h, rows, hidden, eps); /* x += the MLP's */
+        run_linear(&l->o, attn, rows, 0, delta, qscratch);
+        sd_add_norm(x, delta, l->ln2_w, l->ln2_b, h, rows, hidden, eps); /* x += attention's projection */
+        run_linear(&l->up, h, rows, (int)up_act, up, qscratch);
+        if (gated) sd_silu_mul(up, act, rows, l->up.n / 2);
+        run_linear(&l->down, gated ? act : up, rows, 0, delta, qscratch);
+        sd_add_norm(x, delta, l->after_w, l->after_b, h, rows, hidden, eps); /* x += the MLP's */
     }
     return 0;
 }

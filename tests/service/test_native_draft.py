@@ -145,12 +145,12 @@ def test_native_drafts_like_llamacpp_on_the_same_file(ggufs, arch):
     assert native.lm.fast_linears.quantised == (9 if arch == "gpt2" else 15)  # every linear and the lm_head
 
 
-@pytest.mark.skipif(not VNNI, reason="the quantised linears' fast path needs AVX-512 VNNI")
-def test_the_quantised_stack_in_one_call_drafts_what_its_calls_one_by_one_draft(ggufs):
-    """On Q8_0 blocks, the decoder stack in one C call (sd_forward_llama) and the runner's calls one
-    by one draft the same tokens with the same confidences, bit for bit."""
-    path = ggufs["llama-q8_0"]
-    tok = load_tokenizer(str(ggufs["llama"]))
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_quantised_stack_in_one_call_drafts_what_its_calls_one_by_one_draft(ggufs, arch):
+    """On Q8_0 blocks, the decoder stack in one C call (sd_forward_decoder) and the runner's calls
+    one by one draft the same tokens with the same confidences, bit for bit."""
+    path = ggufs[f"{arch}-q8_0"]
+    tok = load_tokenizer(str(ggufs[arch]))
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     fused, calls = (NativeProposer(path, SessionStore(8, 1 << 30, 0), 8) for _ in range(2))
     assert fused.lm.runner.stack is not None and fused.lm.runner.quant_k > 0

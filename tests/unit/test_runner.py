@@ -57,11 +57,12 @@ def test_runner_logits_match_transformers_through_prefill_verify_and_steps(tiny_
     assert cached == 7 and torch.allclose(logits, full[7:10], atol=1e-5, rtol=1e-5)
 
 
-def test_the_llama_stack_in_one_call_computes_what_its_calls_one_by_one_compute(tiny_models):
-    """sd_forward_llama runs the decoder layers in C with the kernels the runner otherwise calls one
-    by one: the same logits and the same cache, bit for bit, through a batched prefill, a verify
-    and plain steps of two sessions."""
-    path = tiny_models["llama-target"]
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_stack_in_one_call_computes_what_its_calls_one_by_one_compute(tiny_models, arch):
+    """sd_forward_decoder runs the decoder layers in C with the kernels the runner otherwise calls
+    one by one: the same logits and the same cache, bit for bit, through a batched prefill, a
+    verify and plain steps of two sessions."""
+    path = tiny_models[f"{arch}-target"]
     fused, calls = _lm(path), _lm(path)
     assert fused.runner.stack is not None and fused.runner.fused
     calls.runner.fused = False
