@@ -103,8 +103,8 @@ def target_costs(target: str, rows: list[int], context: int, repeats: int) -> di
     ``evaluation.batchcost``'s measurement for one session on specdec's runner."""
     from evaluation.batchcost import target_costs as batch_costs
 
-    costs = batch_costs(argparse.Namespace(target=target, rows=rows, batches=[1], context=context, repeats=repeats,
-                                           kernels=["runner"]))
+    costs, _ = batch_costs(argparse.Namespace(target=target, rows=rows, batches=[1], context=context, repeats=repeats,
+                                              kernels=["runner"], native_against=None))
     return {q: costs[("runner", 1, q)] for q in rows}
 
 
