@@ -153,8 +153,7 @@ class _Runner:
         self.stack: ctypes.Array | None = None
         self.quant_k, self.fused = 0, True
         parts = [self._stack_layer(i) for i in range(len(self.layers))]
-        linears = [self.lm_head, *(w for layer in parts for w in layer[:4])]
-        if self.native is None or any(lin.native is None for lin in linears):
+        if self.native is None or any(lin.native is None for lin in self._linears()):
             return
         stack = (Layer * len(parts))()
         for i, (*ws, ln2_w, ln2_b, after_w, after_b) in enumerate(parts):
@@ -168,6 +167,20 @@ class _Runner:
         """Layer ``i``'s (qkv, o, up, down linears, ln2 weight, bias, the norm after it: weight, bias)."""
         raise NotImplementedError
 
+    def _linears(self) -> list[_Linear]:
+        """Every packed linear of the runner: the lm_head and each layer's four."""
+        return [self.lm_head, *(w for i in range(len(self.layers)) for w in self._stack_layer(i)[:4])]
+
+    def _stacked(self, x: torch.Tensor, ln1: tuple[torch.Tensor, torch.Tensor | None], kv_heads: int, gated: bool,
+                 up_act: str, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                 table: torch.Tensor) -> torch.Tensor | None:
+        """The final norm of every row, the stack run in one C call; None where it cannot be (not
+        every linear on specdec.native, a build without sd_forward_decoder, or ``fused`` off)."""
+        if self.stack is None or not self.fused or not self.native.stacked:
+            return None
+        return self.native.forward_decoder(x, ln1, self.stack, self.heads, kv_heads, self.head_dim, gated, up_act, cos,
+                                           sin, table, self.scale, self.eps, self.quant_k)
+
     def use_kernels(self, native: Kernels) -> None:
         """Run on another build of specdec.native (one whose linears read the same packed layout):
         how ``evaluation.batchcost --native-against`` times a kernel change against the current one
@@ -175,7 +188,7 @@ class _Runner:
         if self.native is None or self.lm_head.native is None:
             raise ValueError("this runner is not on specdec.native")
         self.native = native
-        for linear in [self.lm_head, *(part for layer in self.layers for part in layer if isinstance(part, _Linear))]:
+        for linear in self._linears():
             linear.native = native
 
     def _masks(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
@@ -262,7 +275,7 @@ class LlamaRunner(_Runner):
         self._build_stack()
 
     def _stack_layer(self, i: int) -> tuple:
-        ln1, wqkv, wo, ln2, wgate_up, wdown = self.layers[i]
+        _, wqkv, wo, ln2, wgate_up, wdown = self.layers[i]
         return wqkv, wo, wgate_up, wdown, ln2, None, self.norms_after[i], None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -304,9 +317,8 @@ class LlamaRunner(_Runner):
         native, eps = self.native, self.eps
         heads, kvh, d = self.heads, self.kv_heads, self.head_dim
         table = native.segment_table(batch.segments)
-        if self.stack is not None and self.fused and native.stacked:
-            h = native.forward_decoder(x, (self.layers[0][0], None), self.stack, heads, kvh, d, True, "none", cos, sin,
-                                       table, self.scale, eps, self.quant_k)
+        h = self._stacked(x, (self.layers[0][0], None), kvh, True, "none", cos, sin, table)
+        if h is not None:
             return self._logits(h, batch.keep, lambda y: y)
         offsets = (0, heads * d, (heads + kvh) * d)
         attn = x.new_zeros(x.shape[0], heads * d)  # rows outside every segment (padding) stay 0
@@ -376,9 +388,8 @@ class GPT2Runner(_Runner):
         specdec.native."""
         native, eps, heads, d, n = self.native, self.eps, self.heads, self.head_dim, self.hidden
         table = native.segment_table(batch.segments)
-        if self.stack is not None and self.fused and native.stacked:
-            h = native.forward_decoder(x, self.layers[0][:2], self.stack, heads, heads, d, False, "gelu_tanh", None, None,
-                                       table, self.scale, eps, self.quant_k)
+        h = self._stacked(x, self.layers[0][:2], heads, False, "gelu_tanh", None, None, table)
+        if h is not None:
             return self._logits(h, batch.keep, lambda y: y)
         attn = x.new_zeros(x.shape[0], n)  # rows outside every segment (padding) stay 0
         h = native.add_norm(x, None, self.layers[0][0], self.layers[0][1], eps)

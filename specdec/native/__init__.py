@@ -1,8 +1,8 @@
 """specdec's native kernels (kernels.c): a decoder layer's work between its linears, in C.
 
 specdec.runner calls three of them a layer (residual add + norm, rotary + KV write + attention,
-the SwiGLU gate) instead of ~20 small torch ops, and for a Llama model whose linears are all on
-these kernels runs the whole decoder stack in one call (:meth:`Kernels.forward_decoder`); see kernels.c
+the SwiGLU gate) instead of ~20 small torch ops, and for a Llama or GPT-2 model whose linears are
+all on these kernels runs the whole decoder stack in one call (:meth:`Kernels.forward_decoder`); see kernels.c
 for what they compute and why a row's result never depends on the rows beside it.
 
 The library is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into

@@ -422,6 +422,8 @@ def test_batchcost_times_another_build_of_the_kernels_against_this_one(tmp_path)
     assert batchcost.main(argv) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(results["target_ms"]) == {f"{k}:1x{q}" for k in ("runner", "runner-against") for q in (1, 3)}
+    with pytest.raises(SystemExit):  # argparse's error: the file is not there
+        batchcost.parse_args(["--native-against", str(tmp_path / "missing.c")])
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
     with pytest.raises(SystemExit, match="native-against"):
