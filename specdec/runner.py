@@ -77,6 +77,39 @@ class RunnerBatch:
     keep: torch.Tensor  # [R] long, the rows whose logits are wanted
 
 
+class OutputBuffer:
+    """A pass's logits written into memory the process already has, where the last pass's logits
+    are no longer referenced.
+
+    glibc maps each block of at least ``specdec.runtime.MMAP_THRESHOLD`` bytes on its own and
+    unmaps it when freed (see there), so a fresh [rows, vocab] fp32 tensor per pass (3.3 MB for a
+    17-row verify of the embedded target) was mapped, faulted in page by page from inside the
+    lm_head's parallel loop, and unmapped again: 7.6 against 2.6 ms for that lm_head, a quarter of
+    the whole verify (docs/performance.md). The buffer is reused only while nothing else holds it
+    (the storage's use count: a caller may keep a pass's logits, or views of them, as long as it
+    likes; the next pass then takes a new buffer). Outputs below ``floor`` bytes, which the heap
+    serves anyway, and above ``cap`` bytes are allocated fresh.
+    """
+
+    def __init__(self, floor: int = 256 << 10, cap: int = 64 << 20) -> None:
+        self.floor, self.cap = floor, cap
+        self._flat: torch.Tensor | None = None
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        """A contiguous fp32 [rows, cols] tensor, uninitialised."""
+        n = rows * cols
+        if not (self.floor <= 4 * n <= self.cap) or _storage_uses is None:
+            return torch.empty(rows, cols)
+        flat = self._flat
+        # the buffer's own tensor and the storage object made to ask: 2 uses when no one else holds it
+        if flat is None or flat.numel() < n or _storage_uses(flat.untyped_storage()._cdata) > 2:
+            flat = self._flat = torch.empty(n)
+        return flat[:n].view(rows, cols)
+
+
+_storage_uses = getattr(torch._C, "_storage_Use_Count", None)  # None: every output allocated fresh
+
+
 class _Linear:
     """One projection on its packed weight: ``x @ W.T + b`` with an optional fused activation
     (``act``) or residual (``add``), on specdec.native's kernel or oneDNN's (``native`` None)."""
@@ -88,10 +121,13 @@ class _Linear:
         self.weight, self.bias, self.op, self.out_features, self.native = weight, bias, op, out_features, native
         self.binary = torch.ops.mkldnn._linear_pointwise.binary if native is None else None
 
-    def __call__(self, x: torch.Tensor, act: str = "none", algorithm: str = "") -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, act: str = "none", algorithm: str = "",
+                 out: OutputBuffer | None = None) -> torch.Tensor:
+        """``act(x @ W.T + b)``; on specdec.native written into ``out``'s buffer when given."""
         if self.native is not None:
             return self.native.linear(x, self.weight, self.out_features, self.bias,
-                                      "gelu_tanh" if act == "gelu" else act)
+                                      "gelu_tanh" if act == "gelu" else act,
+                                      out=None if out is None else out.take(x.shape[0], self.out_features))
         return self.op(x, self.weight, self.bias, act, [], algorithm)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -134,6 +170,7 @@ class _Runner:
         self.group = heads // kv_heads
         self.scale = scale
         self.lm_head = lm_head
+        self.logits_out = OutputBuffer()
         # specdec.native's kernels for the work between the linears (None: torch ops, the same
         # results up to rounding); the linears run on it too where the weights were packed for it
         self.native: Kernels | None = kernels()
@@ -233,7 +270,7 @@ class _Runner:
         if not rows:  # a prefill chunk: its keys and values are all it is for
             return x.new_empty(0, self.lm_head.out_features)
         h = norm(self.pad(x.index_select(0, keep)))
-        return self.lm_head(h)[:rows]
+        return self.lm_head(h, out=self.logits_out)[:rows]
 
 
 class LlamaRunner(_Runner):

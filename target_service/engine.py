@@ -273,8 +273,11 @@ class TargetEngine:
         return_target_probs = job.return_target_probs
         if sampling.greedy:
             num_accepted, next_token = sm.verify_greedy(logits.argmax(dim=-1).tolist(), draft)
-            # one softmax serves both the draft tokens' probabilities and the next token's
-            p = torch.softmax(logits, dim=-1) if return_target_probs else None
+            # Row by row: a softmax of all k + 1 rows at once is a fresh block of megabytes (3.3 MB
+            # for 17 rows of the embedded target), which malloc maps, the softmax faults in page by
+            # page and free unmaps: it cost 5 ms of a 16-token verify (runner.OutputBuffer). A row
+            # is below malloc's mmap threshold, so its block comes back from the heap.
+            p = [torch.softmax(row, dim=-1) for row in logits] if return_target_probs else None
             row = p[num_accepted] if p is not None else torch.softmax(logits[num_accepted], dim=-1)
             next_prob = float(row[next_token])
         else:
@@ -284,7 +287,7 @@ class TargetEngine:
             else:
                 num_accepted, next_token = 0, sm.sample(p[0], sampling.seed, first, sm.STREAM_TARGET)
             next_prob = float(p[num_accepted, next_token])
-        target_probs = [float(p[i, x]) for i, x in enumerate(draft)] if (return_target_probs and p is not None) else []
+        target_probs = [float(p[i][x]) for i, x in enumerate(draft)] if (return_target_probs and p is not None) else []
         return Verification(
             num_accepted=num_accepted,
             next_token=next_token,

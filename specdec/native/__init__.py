@@ -245,11 +245,17 @@ class Kernels:
         return QuantWeight(data, fmt, out_features, in_features)
 
     def linear(self, x: torch.Tensor, panels: torch.Tensor | QuantWeight, out_features: int,
-               bias: torch.Tensor | None = None, act: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, act: str = "none", residual: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """``act(x @ W.T + bias) + residual`` of a [rows, in] ``x`` on ``W`` packed by
-        :meth:`pack_linear` (fp32) or :meth:`pack_quant`; ``act`` "none" or "gelu_tanh"."""
+        :meth:`pack_linear` (fp32) or :meth:`pack_quant`; ``act`` "none" or "gelu_tanh". Written
+        into ``out`` (contiguous fp32 [rows, out_features]) when given, else into a new tensor."""
         rows = x.shape[0]
-        y = x.new_empty(rows, out_features)
+        if out is not None and (out.shape != (rows, out_features) or out.dtype != torch.float32
+                                or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous fp32 [{rows}, {out_features}] tensor, got "
+                             f"{out.dtype} {tuple(out.shape)}")
+        y = x.new_empty(rows, out_features) if out is None else out
         if isinstance(panels, QuantWeight):
             k = x.shape[1]
             scratch = self._quant_scratch(rows * (k + 12 * (k // QUANT_BLOCK)))

@@ -9,7 +9,7 @@ import torch
 
 from specdec.engine import CachedCausalLM, ForwardRequest
 from specdec.models import load_hf
-from specdec.runner import PACK_EXACT_ROWS, PACK_PAD_ROWS, GPT2Runner, LlamaRunner, padded_rows
+from specdec.runner import PACK_EXACT_ROWS, PACK_PAD_ROWS, GPT2Runner, LlamaRunner, OutputBuffer, padded_rows
 from specdec.sessions import SessionStore
 
 IDS = [3, 17, 5, 22, 9, 31, 4, 12, 28, 7, 19, 2, 25, 11, 6, 33, 14, 8, 21, 10, 27, 13, 30, 16, 24, 18, 29, 15, 26, 20]
@@ -98,6 +98,42 @@ def test_a_build_without_the_one_call_stack_runs_the_kernels_one_by_one(tiny_mod
     assert torch.equal(*got)
     with pytest.raises(ValueError, match="not on specdec.native"):
         _lm(path, native=False).runner.use_kernels(older)
+
+
+def test_the_logits_buffer_is_reused_only_once_no_one_holds_the_last_logits(tiny_models):
+    lm = _lm(tiny_models["llama-target"])
+    lm.runner.logits_out = OutputBuffer(floor=0)  # the tiny vocabulary's logits are far below the default floor
+    full, _ = _reference(tiny_models["llama-target"], IDS)
+    s = lm.session("s")
+    held, _ = lm.extend(s, IDS[:10], IDS[10:14])  # 5 rows of logits, kept
+    kept = held.clone()
+    other, _ = lm.extend(lm.session("t"), IDS[:3], IDS[3:8])
+    # the second pass could not write over logits still held: new memory, the first ones intact
+    assert other.untyped_storage().data_ptr() != held.untyped_storage().data_ptr()
+    assert torch.equal(held, kept) and torch.allclose(held, full[9:14], atol=1e-5, rtol=1e-5)
+    address = other.untyped_storage().data_ptr()
+    del held, kept, other  # no one holds either pass's logits now
+    again, _ = lm.extend(s, IDS[:10], IDS[10:14])
+    assert again.untyped_storage().data_ptr() == address  # the last buffer, reused
+    assert torch.allclose(again, full[9:14], atol=1e-5, rtol=1e-5)
+    row = again[2]  # a view of a row keeps the buffer held too
+    del again
+    last, _ = lm.extend(s, IDS[:12], IDS[12:14])
+    assert last.untyped_storage().data_ptr() != address
+    assert torch.allclose(row, full[11], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(last, full[11:14], atol=1e-5, rtol=1e-5)
+
+
+def test_an_output_buffer_keeps_no_small_or_huge_output():
+    buf = OutputBuffer(floor=1 << 10, cap=1 << 20)
+    assert buf.take(4, 16).shape == (4, 16) and buf._flat is None  # 256 bytes: below the floor
+    assert buf.take(1024, 1024).shape == (1024, 1024) and buf._flat is None  # 4 MiB: above the cap
+    mid = buf.take(64, 64)  # 16 KiB: kept, and reused once dropped
+    address = mid.data_ptr()
+    assert buf._flat is not None and buf._flat.data_ptr() == address
+    del mid
+    assert buf.take(32, 64).data_ptr() == address  # fewer rows fit the same buffer
+    assert buf.take(128, 64).data_ptr() != address  # more do not
 
 
 def test_padded_rows_bucket_long_passes_by_at_most_an_eighth():
