@@ -402,18 +402,22 @@ int sd_attention(float *qkv, int64_t stride, int64_t q_off, int64_t k_off, int64
  *     against one panel (M accumulators), so the weights are read once for all rows while the
  *     rows' x stays in cache; each pass prefetches its own stream AHEAD bytes ahead. A pass of
  *     M rows then costs about what one row does until the arithmetic outgrows the streaming.
- *   M > COL_MAX (prefills, large batches): tiles of 6 rows x 4 panels (24 accumulators), every
- *     weight read serving 6 rows; the first row tile streams the group from memory, the later
- *     ones find it in L2 and meanwhile prefetch the next group, so memory keeps streaming.
- * Measured (the embedded target's 121 linears, 2 cores, medians of 41 interleaved passes): 17
- * rows cost 1.55x one row in 6 x 4 tiles without prefetching and 1.1-1.2x in column passes
- * (docs/performance.md).
+ *   COL_MAX < M <= COLUMNS_MAX (a few sessions' verifies batched): per panel, column passes of
+ *     COL_MAX rows and the rest, the first streaming the panel, the others finding it in cache.
+ *   M > COLUMNS_MAX (prefills, large batches): tiles of 6 rows x 4 panels (24 accumulators),
+ *     every weight read serving 6 rows; the first row tile streams the group from memory, the
+ *     later ones find it in L2 and meanwhile prefetch the next group, so memory keeps streaming.
+ * Measured (the embedded target's 121 linears, 2 cores, medians of 15-41 interleaved passes): 17
+ * rows cost 1.55x one row in 6 x 4 tiles without prefetching and 1.1-1.2x in column passes; 20,
+ * 24 and 34 rows 13-16 % less in column passes of 17 + the rest than in 6 x 4 tiles, 48 and more
+ * the same (docs/performance.md).
  */
 
 #define PANEL 16
 #define PANELS 4     /* panels per group: a 6 x 4 tile's width */
 #define AHEAD 4096   /* bytes a column pass prefetches ahead of its loads */
-#define COL_MAX 17   /* passes of at most this many rows run as column passes */
+#define COL_MAX 17   /* rows of one column pass */
+#define COLUMNS_MAX (3 * COL_MAX) /* passes of at most this many rows run as column passes */
 
 void sd_pack_linear(const float *w, int64_t n, int64_t k, float *panels) {
     int64_t np = (n + PANEL - 1) / PANEL;
@@ -556,19 +560,32 @@ LINEAR_TILE(tile8, v8, 8, 4, 1, BCAST8)
     }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define COLUMN_CASE(R) case R: column16(a, 0, p, R, 1, &own); break;
-/* Panels [p0, p1) in column passes (M <= COL_MAX): see the schedule above. */
+#define COLUMN_CASE(R, M0, F) case R: column16(a, M0, p, R, 1, F); break;
+/* A column pass of `rows` rows from row m0 against panel p, its row count a constant in each case. */
+#define COLUMN_PASS(rows, m0, f)                                                                    \
+    switch (rows) {                                                                                 \
+        COLUMN_CASE(1, m0, f) COLUMN_CASE(2, m0, f) COLUMN_CASE(3, m0, f) COLUMN_CASE(4, m0, f)     \
+        COLUMN_CASE(5, m0, f) COLUMN_CASE(6, m0, f) COLUMN_CASE(7, m0, f) COLUMN_CASE(8, m0, f)     \
+        COLUMN_CASE(9, m0, f) COLUMN_CASE(10, m0, f) COLUMN_CASE(11, m0, f) COLUMN_CASE(12, m0, f) \
+        COLUMN_CASE(13, m0, f) COLUMN_CASE(14, m0, f) COLUMN_CASE(15, m0, f) COLUMN_CASE(16, m0, f) \
+        default: column16(a, m0, p, COL_MAX, 1, f); break;                                          \
+    }
+/* Panels [p0, p1) in column passes (M <= COLUMNS_MAX): see the schedule above. */
 __attribute__((target("avx512f"))) static void linear_columns_avx512(const linear_args *a, int64_t p0, int64_t p1) {
     const int64_t k = a->k;
     for (int64_t p = p0; p < p1; p++) {
         /* each pass prefetches its own stream AHEAD bytes ahead of its loads (into the next
          * panel's first lines at its end) */
         prefetch own = {a->panels + p * k * PANEL + AHEAD / sizeof(float), k, PANEL, 0, 1};
-        switch (a->m) {
-            COLUMN_CASE(1) COLUMN_CASE(2) COLUMN_CASE(3) COLUMN_CASE(4) COLUMN_CASE(5) COLUMN_CASE(6)
-            COLUMN_CASE(7) COLUMN_CASE(8) COLUMN_CASE(9) COLUMN_CASE(10) COLUMN_CASE(11) COLUMN_CASE(12)
-            COLUMN_CASE(13) COLUMN_CASE(14) COLUMN_CASE(15) COLUMN_CASE(16)
-            default: column16(a, 0, p, COL_MAX, 1, &own); break;
+        if (a->m <= COL_MAX) {
+            COLUMN_PASS(a->m, 0, &own)
+            continue;
+        }
+        /* passes of COL_MAX rows and the rest: the first streams the panel, the others find it
+         * in cache */
+        for (int64_t m0 = 0; m0 < a->m; m0 += COL_MAX) {
+            const prefetch *f = m0 ? NULL : &own;
+            COLUMN_PASS(a->m - m0, m0, f)
         }
     }
 }
@@ -579,7 +596,7 @@ __attribute__((target("avx512f"))) static void linear_columns_avx512(const linea
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target("avx512f"))) LINEAR_TILES(linear_tiles_avx512, tile16, 6, PANELS)
 __attribute__((target("avx512f"))) static void linear_panels_avx512(const linear_args *a, int64_t p0, int64_t p1) {
-    if (a->m <= COL_MAX) linear_columns_avx512(a, p0, p1);
+    if (a->m <= COLUMNS_MAX) linear_columns_avx512(a, p0, p1);
     else linear_tiles_avx512(a, p0, p1);
 }
 __attribute__((target("arch=x86-64-v3"))) LINEAR_TILES(linear_panels_avx2, tile8, 4, 1)
@@ -627,7 +644,7 @@ void sd_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_
     int64_t np = (n + PANEL - 1) / PANEL;
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
     /* column passes take any share of the panels: split them evenly (36 panels: 18 + 18, not 20 + 16) */
-    int64_t step = run == linear_panels_avx512 && m <= COL_MAX ? 1 : PANELS;
+    int64_t step = run == linear_panels_avx512 && m <= COLUMNS_MAX ? 1 : PANELS;
 #else
     int64_t step = PANELS;
 #endif

@@ -228,19 +228,20 @@ def test_exp_is_accurate_over_softmax_inputs(native):
 
 @pytest.mark.parametrize("n,k", [(200, 72), (576, 576), (16, 1536)])
 def test_linear_rows_are_the_same_bits_in_every_schedule(native, n, k):
-    """A pass of up to 17 rows runs as column passes (every row against one panel), a larger one
-    in 6-row x 4-panel tiles: each output is still one lane summed over k in order, so a row
-    computes the same bits alone, in a verify-sized pass or in a prefill-sized one (weights with
-    whole groups of panels and a lone last one; bias, tanh-GELU and residual fused)."""
+    """A pass of up to 17 rows runs as column passes (every row against one panel), one of up to
+    51 in column passes of 17 rows and the rest, a larger one in 6-row x 4-panel tiles: each output
+    is still one lane summed over k in order, so a row computes the same bits alone, in a
+    verify-sized pass, in a few verifies batched or in a prefill-sized one (weights with whole
+    groups of panels and a lone last one; bias, tanh-GELU and residual fused)."""
     gen = torch.Generator().manual_seed(11)
-    w, x = torch.randn(n, k, generator=gen), torch.randn(40, k, generator=gen)
-    bias, residual = torch.randn(n, generator=gen), torch.randn(40, n, generator=gen)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(60, k, generator=gen)
+    bias, residual = torch.randn(n, generator=gen), torch.randn(60, n, generator=gen)
     panels = native.pack_linear(w)
     alone = torch.cat([native.linear(x[i:i + 1].contiguous(), panels, n, bias, "gelu_tanh", residual[i:i + 1].contiguous())
-                       for i in range(40)])
+                       for i in range(60)])
     want = F.gelu(x @ w.T + bias, approximate="tanh") + residual
     assert torch.allclose(alone, want, rtol=1e-4, atol=1e-4)
-    for rows in (6, 17, 18, 40):
+    for rows in (6, 17, 18, 35, 51, 52, 60):
         together = native.linear(x[:rows].contiguous(), panels, n, bias, "gelu_tanh", residual[:rows].contiguous())
         assert torch.equal(together, alone[:rows]), f"{rows} rows differ from the same rows alone"
 
