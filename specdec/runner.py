@@ -99,11 +99,11 @@ class OutputBuffer:
         """A contiguous fp32 [rows, cols] tensor, uninitialised."""
         n = rows * cols
         if not (self.floor <= 4 * n <= self.cap) or _storage_uses is None:
-            return torch.empty(rows, cols)
+            return torch.empty(rows, cols, dtype=torch.float32)
         flat = self._flat
         # the buffer's own tensor and the storage object made to ask: 2 uses when no one else holds it
         if flat is None or flat.numel() < n or _storage_uses(flat.untyped_storage()._cdata) > 2:
-            flat = self._flat = torch.empty(n)
+            flat = self._flat = torch.empty(n, dtype=torch.float32)
         return flat[:n].view(rows, cols)
 
 
