@@ -136,6 +136,16 @@ def test_an_output_buffer_keeps_no_small_or_huge_output():
     assert buf.take(128, 64).data_ptr() != address  # more do not
 
 
+def test_without_torchs_storage_use_count_every_output_is_fresh(monkeypatch):
+    import specdec.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "_storage_uses", None)  # a torch without the private counter
+    buf = OutputBuffer(floor=0)
+    a = buf.take(64, 64)
+    assert buf._flat is None  # nothing kept, so nothing can be written over while held
+    assert buf.take(64, 64).data_ptr() != a.data_ptr()
+
+
 def test_padded_rows_bucket_long_passes_by_at_most_an_eighth():
     sizes = [padded_rows(n) for n in range(1, 4097)]
     assert sizes[:PACK_PAD_ROWS] == [PACK_PAD_ROWS] * PACK_PAD_ROWS
