@@ -28,13 +28,20 @@ SPIN_COUNT = 20_000
 # a few rows, activations) stay on the heap and are reused. MALLOC_MMAP_THRESHOLD_ in the
 # environment (glibc's own setting) wins.
 MMAP_THRESHOLD = 1 << 20
-_M_MMAP_THRESHOLD = -3  # mallopt parameter numbers (malloc.h)
+# With the mmap threshold fixed, glibc gives the heap's free top back to the system whenever it
+# exceeds 128 KiB (M_TRIM_THRESHOLD's default), and the next temporaries fault it in again page by
+# page: a sampling verify's per-row top-k / top-p sorts took ~2,900 page faults, ~5 ms of a 16-token
+# verify (docs/performance.md, "Megabytes mapped a step"). Up to this much free top stays (a bound,
+# not growth: ~2 % of the draft service's RSS). MALLOC_TRIM_THRESHOLD_ in the environment wins.
+TRIM_THRESHOLD = 16 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
 
 
 def configure_allocator() -> bool:
     """Fix glibc malloc's mmap threshold at :data:`MMAP_THRESHOLD` (see there), so memory freed
-    by released sessions goes back to the system. Returns whether it applied (False off glibc, or
-    when the environment sets the threshold itself)."""
+    by released sessions goes back to the system, and its trim threshold at
+    :data:`TRIM_THRESHOLD`. Returns whether the mmap threshold applied (False off glibc, or when
+    the environment sets the threshold itself)."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
@@ -44,6 +51,8 @@ def configure_allocator() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS)
         return False
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 

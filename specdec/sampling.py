@@ -33,6 +33,8 @@ where both are.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specdec.params import Sampling  # noqa: F401  (re-exported: sm.Sampling)
@@ -126,13 +128,14 @@ def verify_greedy(target_argmax: list[int], draft: list[int]) -> tuple[int, int]
 
 
 def verify_sampling(
-    p: torch.Tensor, q: torch.Tensor, draft: list[int], seed: int, first_position: int
+    p: Sequence[torch.Tensor], q: Sequence[torch.Tensor], draft: list[int], seed: int, first_position: int
 ) -> tuple[int, int]:
     """Lossless rejection sampling.
 
     Args:
-        p: target probabilities (after the sampling transform), [k + 1, V].
-        q: draft probabilities the draft tokens were sampled from, [k, V].
+        p: target probabilities (after the sampling transform), k + 1 rows of [V] (a [k + 1, V]
+            tensor or a list of rows).
+        q: draft probabilities the draft tokens were sampled from, k rows of [V].
         draft: draft token ids, [k].
         seed: the request's seed.
         first_position: absolute sequence position of draft[0].
@@ -140,7 +143,7 @@ def verify_sampling(
         (num_accepted, next_token).
     """
     for i, x in enumerate(draft):
-        px, qx = float(p[i, x]), float(q[i, x])
+        px, qx = float(p[i][x]), float(q[i][x])
         # qx == 0 cannot happen for a token the draft sampled; treat it as a sure rejection.
         if qx > 0 and uniform(seed, first_position + i) < min(1.0, px / qx):
             continue
