@@ -415,9 +415,9 @@ int sd_attention(float *qkv, int64_t stride, int64_t q_off, int64_t k_off, int64
  *     every weight read serving 6 rows; the first row tile streams the group from memory, the
  *     later ones find it in L2 and meanwhile prefetch the next group, so memory keeps streaming.
  * Measured (the embedded target's 121 linears, 2 cores, medians of 15-41 interleaved passes): 17
- * rows cost 1.55x one row in 6 x 4 tiles without prefetching and 1.1-1.2x in column passes; 20,
- * 24 and 34 rows 13-16 % less in column passes of 17 + the rest than in 6 x 4 tiles, 48 and more
- * the same (docs/performance.md).
+ * rows cost 1.55x one row in 6 x 4 tiles without prefetching and 1.1-1.2x in column passes; 20
+ * to 40 rows 7-19 % less in column passes of 17 + the rest than in 6 x 4 tiles, 48 and more the
+ * same (docs/performance.md).
  */
 
 #define PANEL 16
