@@ -74,13 +74,40 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if 0.0 < sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # Drop a token when the mass before it already reaches top_p (the top token always stays).
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= sampling.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = _top_p(logits, sampling.top_p)
     return torch.softmax(logits, dim=-1)
+
+
+# Top-p looks for its cut among this many top logits first: a partial selection instead of a sort
+# of the whole vocabulary (0.7 ms a row of 49,152), nearly always enough since the kept set is
+# rarely this large; when it is not, the whole vocabulary is sorted.
+TOP_P_PREFIX = 1024
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` with every token after the smallest set of top tokens whose probability reaches
+    ``top_p`` set to -inf: a token is dropped when the mass of the tokens before it (in descending
+    order) already reaches ``top_p``, so the top token always stays. Each row on its own, so a
+    row's cut never depends on the rows beside it."""
+    vocab = logits.shape[-1]
+    if logits.dim() > 1:
+        rows = logits.reshape(-1, vocab)
+        return torch.stack([_top_p(row, top_p) for row in rows]).reshape(logits.shape)
+    if vocab > TOP_P_PREFIX:
+        top, order = torch.topk(logits, TOP_P_PREFIX)  # descending
+        # each probability over the whole vocabulary's normaliser, as softmax computes it
+        peak = top[:1]
+        probs = torch.exp(top - peak) / torch.exp(logits - peak).sum()
+        cum = probs.cumsum(dim=-1)
+        if float(cum[-1]) >= top_p:  # the cut lies within the prefix
+            keep = (cum - probs) < top_p
+            return torch.full_like(logits, float("-inf")).scatter(0, order, top.masked_fill(~keep, float("-inf")))
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    cum = probs.cumsum(dim=-1)
+    drop_sorted = (cum - probs) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def draft_seed(seed: int, round_start: int) -> int:

@@ -46,6 +46,45 @@ def test_probabilities_top_k_and_top_p():
     assert cold[0] > 0.99
 
 
+def _top_p_by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p the plain way: the whole vocabulary sorted."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, (probs.cumsum(-1) - probs) >= top_p)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def test_top_p_over_a_large_vocabulary_keeps_the_smallest_set_reaching_it():
+    """Over more than TOP_P_PREFIX tokens the cut is looked for among the top ones first."""
+    vocab = 5000
+    probs = torch.full((vocab,), 0.05 / (vocab - 3))
+    probs[:3] = torch.tensor([0.5, 0.3, 0.15])
+    logits = torch.log(probs)[torch.randperm(vocab, generator=torch.Generator().manual_seed(3))]
+    top3 = torch.topk(logits, 3).indices
+    for top_p, kept in ((0.4, 1), (0.7, 2), (0.9, 3)):
+        p = sm.probabilities(logits, sm.Sampling(temperature=1.0, top_p=top_p))
+        assert set(torch.nonzero(p).flatten().tolist()) == set(top3[:kept].tolist())
+        assert torch.isclose(p.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 4.0, 12.0])  # flat (the whole vocabulary sorted) to peaked
+def test_top_p_keeps_what_sorting_the_whole_vocabulary_keeps(scale):
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    for top_p in (0.5, 0.9, 0.95):
+        logits = torch.randn(4, 49152, generator=gen) * scale
+        want = _top_p_by_sort(logits, top_p)
+        got = sm._top_p(logits, top_p)
+        for row, (w, g) in enumerate(zip(want, got, strict=True)):
+            # rows whose cut lies within fp32 rounding of top_p may fall either way: skip those
+            cum = torch.softmax(torch.sort(logits[row], descending=True).values, -1).cumsum(-1)
+            if (cum - top_p).abs().min() < 1e-5:
+                continue
+            assert torch.equal(torch.isfinite(g), torch.isfinite(w)), (scale, top_p, row)
+            assert torch.equal(g[torch.isfinite(g)], w[torch.isfinite(w)])
+        # a row's cut is its own: the same rows alone
+        assert torch.equal(got, torch.stack([sm._top_p(r, top_p) for r in logits]))
+
+
 @pytest.mark.parametrize(
     "kwargs", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=1.5), dict(top_k=-1)]
 )
