@@ -76,6 +76,7 @@ class ProposeJob(CpuAccounted):
         if self.sampling.greedy:
             token = int(probs.argmax())
         else:
+            probs = sm.proposal(probs)  # at most DRAFT_SUPPORT tokens: what the target then verifies against
             # keyed by the round too (its start): a redraft after a rejection draws afresh
             token = sm.sample(probs, sm.draft_seed(self.sampling.seed, len(self.tokens)), len(self.tokens) + i,
                               sm.STREAM_DRAFT)

@@ -155,3 +155,33 @@ def test_draft_draws_are_fresh_in_every_round():
                for s in range(400))
     assert same < 0.2 * 400  # independent draws agree ~10 % of the time; the same key would agree always
     assert sm.draft_seed(7, 10) == sm.draft_seed(7, 10) and sm.draft_seed(7, 10) != sm.draft_seed(8, 10)
+
+
+def test_a_drafts_proposal_keeps_its_most_probable_tokens_renormalised():
+    probs = torch.softmax(torch.randn(5000, generator=torch.Generator().manual_seed(5)), -1)
+    q = sm.proposal(probs, support=100)
+    kept = torch.nonzero(q).flatten()
+    assert len(kept) == 100 and set(kept.tolist()) == set(torch.topk(probs, 100).indices.tolist())
+    assert torch.isclose(q.sum(), torch.tensor(1.0))
+    assert torch.allclose(q[kept], probs[kept] / probs[kept].sum())
+    small = sm.probabilities(torch.randn(5000), sm.Sampling(temperature=1.0, top_k=50))
+    assert sm.proposal(small, support=100) is small  # a support this small already: unchanged
+    ids, _ = sm.to_sparse(sm.proposal(probs))
+    assert len(ids) == sm.DRAFT_SUPPORT
+
+
+def test_sampling_against_a_truncated_proposal_keeps_the_targets_law():
+    """The draft samples from its top tokens only; verification against that q still yields p."""
+    gen = torch.Generator().manual_seed(9)
+    p = torch.softmax(torch.randn(2, 12, generator=gen), -1)
+    q_full = torch.softmax(torch.randn(12, generator=gen), -1)
+    q = sm.proposal(q_full, support=4)
+    counts = torch.zeros(12)
+    trials = 6000
+    for seed in range(trials):
+        x = sm.sample(q, seed, 0, sm.STREAM_DRAFT)
+        n, nxt = sm.verify_sampling(p, [q], [x], seed=seed, first_position=0)
+        counts[x if n == 1 else nxt] += 1
+    # the first token's law is p[0] (chi-square-like bound: 5 standard deviations a token)
+    expected = p[0] * trials
+    assert torch.all((counts - expected).abs() <= 5 * torch.sqrt(expected * (1 - p[0])) + 1)
