@@ -79,8 +79,8 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 # Top-p looks for its cut among this many top logits first: a partial selection instead of a sort
-# of the whole vocabulary (0.7 ms a row of 49,152), nearly always enough since the kept set is
-# rarely this large; when it is not, the whole vocabulary is sorted.
+# of the whole vocabulary (3.3 ms a row of 49,152), nearly always enough since the kept set is
+# rarely this large; when it is not, it looks again among all of them (a full sort).
 TOP_P_PREFIX = 1024
 
 
@@ -93,21 +93,18 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     if logits.dim() > 1:
         rows = logits.reshape(-1, vocab)
         return torch.stack([_top_p(row, top_p) for row in rows]).reshape(logits.shape)
-    if vocab > TOP_P_PREFIX:
-        top, order = torch.topk(logits, TOP_P_PREFIX)  # descending
-        # each probability over the whole vocabulary's normaliser, as softmax computes it
-        peak = top[:1]
-        probs = torch.exp(top - peak) / torch.exp(logits - peak).sum()
+    peak = logits.max()
+    total = torch.exp(logits - peak).sum()  # the whole vocabulary's normaliser, as softmax's
+    n = min(vocab, TOP_P_PREFIX)
+    while True:
+        top, order = torch.topk(logits, n)  # descending
+        probs = torch.exp(top - peak) / total
         cum = probs.cumsum(dim=-1)
-        if float(cum[-1]) >= top_p:  # the cut lies within the prefix
-            keep = (cum - probs) < top_p
-            return torch.full_like(logits, float("-inf")).scatter(0, order, top.masked_fill(~keep, float("-inf")))
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    cum = probs.cumsum(dim=-1)
-    drop_sorted = (cum - probs) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+        if n == vocab or float(cum[-1]) >= top_p:  # the cut lies within these n
+            break
+        n = vocab
+    keep = (cum - probs) < top_p
+    return torch.full_like(logits, float("-inf")).scatter(0, order, top.masked_fill(~keep, float("-inf")))
 
 
 def draft_seed(seed: int, round_start: int) -> int:

@@ -413,3 +413,14 @@ def test_layers_of_different_block_types_are_not_fused():
         for module in (attn.q_proj, attn.k_proj, attn.v_proj):
             ref = x @ want[id(module)].T
             assert torch.allclose(module(x), ref, rtol=0.05, atol=0.05 * float(ref.abs().max()))
+
+
+def test_linear_into_a_given_output_checks_its_shape_and_type(native):
+    w, x = torch.randn(32, 16), torch.randn(3, 16)
+    panels = native.pack_linear(w)
+    out = torch.empty(3, 32)
+    assert native.linear(x, panels, 32, out=out) is out
+    assert torch.allclose(out, x @ w.T, atol=1e-5)
+    for bad in (torch.empty(2, 32), torch.empty(3, 32, dtype=torch.float64), torch.empty(32, 3).T):
+        with pytest.raises(ValueError, match="out must be"):
+            native.linear(x, panels, 32, out=bad)
