@@ -147,10 +147,15 @@ def fit_and_keep(page, shot: Path) -> None:
 def test_server_tab_while_generating(dashboard, embedded_stack, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
+    done = threading.Event()
+
     def generate() -> None:
-        httpx.post(embedded_stack["url"] + "/v1/generate", timeout=ANSWER_TIMEOUT_MS / 1e3, json={
-            "prompt": "List the planets of the solar system, one line each, with one fact about each.",
-            "max_tokens": 160, "ignore_eos": True, "controller": "fixed", "k": 4})  # drafts on every step
+        # one stream after another until the tab has been checked: a lone 160-token answer can end
+        # between two of the tab's refreshes on a fast machine
+        while not done.is_set():
+            httpx.post(embedded_stack["url"] + "/v1/generate", timeout=ANSWER_TIMEOUT_MS / 1e3, json={
+                "prompt": "List the planets of the solar system, one line each, with one fact about each.",
+                "max_tokens": 160, "ignore_eos": True, "controller": "fixed", "k": 4})  # drafts on every step
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
@@ -176,5 +181,6 @@ def test_server_tab_while_generating(dashboard, embedded_stack, tmp_path):
             expect(page.get_by_test_id("stVegaLiteChart").nth(1)).to_be_visible()  # acceptance by position
             fit_and_keep(page, tmp_path / "server.png")
         finally:
+            done.set()
             browser.close()
             load.join(ANSWER_TIMEOUT_MS / 1e3)
