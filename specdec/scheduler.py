@@ -279,7 +279,7 @@ class ComputeThread:
     def _gather(self) -> None:
         """Wait (briefly) for the sessions answered by the last step that come back quickly."""
         window = min(self.gather_s, self.GATHER_FRACTION * self._last_step_s)
-        expected = {sid for sid in self._answered if self._returns.get(sid, (math.inf, 0.0))[0] <= window}
+        expected = self._expected(window)
         if not expected:
             return
         t0 = time.perf_counter()
@@ -297,6 +297,10 @@ class ComputeThread:
         self.stats.gather_ns += int(waited * 1e9)
         self.stats.gather_waits += 1
         BATCH_GATHER.labels(self._service).observe(waited)
+
+    def _expected(self, window: float) -> set[str]:
+        """The sessions answered by the last step whose mean return time is within ``window``."""
+        return {sid for sid in self._answered if self._returns.get(sid, (math.inf, 0.0))[0] <= window}
 
     def _answer(self, item: _Item, now: float) -> None:
         """Note that ``item``'s session was answered at ``now`` (see :meth:`_gather`)."""
