@@ -409,6 +409,8 @@ int sd_attention(float *qkv, int64_t stride, int64_t q_off, int64_t k_off, int64
  *     against one panel (M accumulators), so the weights are read once for all rows while the
  *     rows' x stays in cache; each pass prefetches its own stream AHEAD bytes ahead. A pass of
  *     M rows then costs about what one row does until the arithmetic outgrows the streaming.
+ *     Passes of 2 rows or more read x transposed (linear_args.xt, written by both threads before
+ *     the panels): the rows' k-th floats share a cache line and one pointer addresses them all.
  *   COL_MAX < M <= COLUMNS_MAX (a few sessions' verifies batched): per panel, column passes of
  *     COL_MAX rows and the rest, the first streaming the panel, the others finding it in cache.
  *   M > COLUMNS_MAX (prefills, large batches): tiles of 6 rows x 4 panels (24 accumulators),
@@ -442,6 +444,9 @@ typedef struct {
     float *y;
     int64_t m, k, n;
     int act; /* 0 none, 1 tanh-GELU */
+    /* column passes: x's rows in blocks of COL_MAX (the last the rest), each block k-major: row
+     * m0 + r of the block from m0 (rb rows) at xt[m0 * k + kk * rb + r] */
+    const float *xt;
 } linear_args;
 
 /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (e^(2u) + 1) */
@@ -566,8 +571,46 @@ LINEAR_TILE(tile8, v8, 8, 4, 1, BCAST8)
         }                                                                                           \
     }
 
+/* A column pass on x transposed (linear_args.xt): the rows' k-th floats side by side, so one
+ * pointer with constant offsets addresses every row (with rows apart by k, GCC runs out of
+ * general registers past ~10 rows and keeps row pointers in vector registers). The same FMAs in
+ * the same order as column16. */
+#define LINEAR_COLUMN(NAME, MAXR)                                                                   \
+    INLINE void NAME(const linear_args *a, int64_t m0, int64_t p, const int rows, const prefetch *f) { \
+        v16 acc[MAXR];                                                                              \
+        const int64_t k = a->k;                                                                     \
+        const float *xt = a->xt + m0 * k;                                                           \
+        const float *w0 = a->panels + p * k * PANEL;                                                \
+        for (int r = 0; r < rows; r++) acc[r] = (v16){0};                                           \
+        for (int64_t kk = 0; kk < k; kk++) {                                                        \
+            prefetch_step(f, kk);                                                                   \
+            v16 w = load16(w0 + kk * PANEL);                                                        \
+            const float *xk = xt + kk * rows;                                                       \
+            for (int r = 0; r < rows; r++) acc[r] += BCAST16(xk[r]) * w;                            \
+        }                                                                                           \
+        for (int r = 0; r < rows; r++) store_panel(a, m0 + r, p, acc[r]);                           \
+    }
+LINEAR_COLUMN(column_t16, COL_MAX)
+
+/* x's rows into linear_args.xt's layout; this thread's share of k (the caller waits for all). */
+INLINE void transpose_rows(const float *x, int64_t m, int64_t k, float *xt) {
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t k0 = k * t / nt, k1 = k * (t + 1) / nt;
+    for (int64_t m0 = 0; m0 < m; m0 += COL_MAX) {
+        int64_t rb = m - m0 < COL_MAX ? m - m0 : COL_MAX;
+        const float *src = x + m0 * k;
+        float *dst = xt + m0 * k;
+        for (int64_t kk = k0; kk < k1; kk++)
+            for (int64_t r = 0; r < rb; r++) dst[kk * rb + r] = src[r * k + kk];
+    }
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define COLUMN_CASE(R, M0, F) case R: column16(a, M0, p, R, 1, F); break;
+#define COLUMN_CASE(R, M0, F)                                                                       \
+    case R:                                                                                         \
+        if (a->xt) column_t16(a, M0, p, R, F);                                                      \
+        else column16(a, M0, p, R, 1, F);                                                           \
+        break;
 /* A column pass of `rows` rows from row m0 against panel p, its row count a constant in each case. */
 #define COLUMN_PASS(rows, m0, f)                                                                    \
     switch (rows) {                                                                                 \
@@ -575,7 +618,10 @@ LINEAR_TILE(tile8, v8, 8, 4, 1, BCAST8)
         COLUMN_CASE(5, m0, f) COLUMN_CASE(6, m0, f) COLUMN_CASE(7, m0, f) COLUMN_CASE(8, m0, f)     \
         COLUMN_CASE(9, m0, f) COLUMN_CASE(10, m0, f) COLUMN_CASE(11, m0, f) COLUMN_CASE(12, m0, f) \
         COLUMN_CASE(13, m0, f) COLUMN_CASE(14, m0, f) COLUMN_CASE(15, m0, f) COLUMN_CASE(16, m0, f) \
-        default: column16(a, m0, p, COL_MAX, 1, f); break;                                          \
+        default: /* COL_MAX rows (the first of a larger pass's) */                                  \
+            if (a->xt) column_t16(a, m0, p, COL_MAX, f);                                            \
+            else column16(a, m0, p, COL_MAX, 1, f);                                                 \
+            break;                                                                                  \
     }
 /* Panels [p0, p1) in column passes (M <= COLUMNS_MAX): see the schedule above. */
 __attribute__((target("avx512f"))) static void linear_columns_avx512(const linear_args *a, int64_t p0, int64_t p1) {
@@ -647,17 +693,39 @@ void sd_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_
                const float *residual, int act, float *y) {
     static panels_fn run = NULL;
     if (!run) run = pick_panels(); /* the same answer on every thread: a benign race */
-    linear_args a = {x, panels, bias, residual, y, m, k, n, act};
+    linear_args a = {x, panels, bias, residual, y, m, k, n, act, NULL};
     int64_t np = (n + PANEL - 1) / PANEL;
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
     /* column passes take any share of the panels: split them evenly (36 panels: 18 + 18, not 20 + 16) */
-    int64_t step = run == linear_panels_avx512 && m <= COLUMNS_MAX ? 1 : PANELS;
+    int columns = run == linear_panels_avx512 && m <= COLUMNS_MAX;
+    int64_t step = columns ? 1 : PANELS;
+    /* their x transposed, in a buffer of the calling thread's, kept and grown (at most
+     * COLUMNS_MAX rows of the widest k) */
+    static __thread float *xt_buf = NULL;
+    static __thread int64_t xt_cap = 0;
+    if (columns && m > 1) { /* (one row: x as it is) */
+        if (xt_cap < m * k) {
+            void *grown = NULL;
+            if (posix_memalign(&grown, 64, (size_t)(m * k) * sizeof(float))) {
+                columns = 0; /* no memory: the row-major passes, the same bits */
+            } else {
+                free(xt_buf);
+                xt_buf = grown;
+                xt_cap = m * k;
+            }
+        }
+        if (columns) a.xt = xt_buf;
+    }
 #else
     int64_t step = PANELS;
 #endif
 #pragma omp parallel if (m * n * k >= (1 << 15))
     {
         int64_t p0, p1;
+        if (a.xt) {
+            transpose_rows(x, m, k, (float *)a.xt);
+#pragma omp barrier
+        }
         if (thread_panels(np, step, &p0, &p1)) run(&a, p0, p1);
     }
 }

@@ -232,7 +232,8 @@ def test_linear_rows_are_the_same_bits_in_every_schedule(native, n, k):
     51 in column passes of 17 rows and the rest, a larger one in 6-row x 4-panel tiles: each output
     is still one lane summed over k in order, so a row computes the same bits alone, in a
     verify-sized pass, in a few verifies batched or in a prefill-sized one (weights with whole
-    groups of panels and a lone last one; bias, tanh-GELU and residual fused)."""
+    groups of panels and a lone last one; bias, tanh-GELU and residual fused; the column passes
+    read x transposed into a buffer of the calling thread's, grown from one k to the next)."""
     gen = torch.Generator().manual_seed(11)
     w, x = torch.randn(n, k, generator=gen), torch.randn(60, k, generator=gen)
     bias, residual = torch.randn(n, generator=gen), torch.randn(60, n, generator=gen)
@@ -241,7 +242,7 @@ def test_linear_rows_are_the_same_bits_in_every_schedule(native, n, k):
                        for i in range(60)])
     want = F.gelu(x @ w.T + bias, approximate="tanh") + residual
     assert torch.allclose(alone, want, rtol=1e-4, atol=1e-4)
-    for rows in (6, 17, 18, 35, 51, 52, 60):
+    for rows in (2, 6, 13, 17, 18, 35, 51, 52, 60):
         together = native.linear(x[:rows].contiguous(), panels, n, bias, "gelu_tanh", residual[:rows].contiguous())
         assert torch.equal(together, alone[:rows]), f"{rows} rows differ from the same rows alone"
 
