@@ -409,8 +409,8 @@ int sd_attention(float *qkv, int64_t stride, int64_t q_off, int64_t k_off, int64
  *     against one panel (M accumulators), so the weights are read once for all rows while the
  *     rows' x stays in cache; each pass prefetches its own stream AHEAD bytes ahead. A pass of
  *     M rows then costs about what one row does until the arithmetic outgrows the streaming.
- *     Passes of 2 rows or more read x transposed (linear_args.xt, each thread's own copy): the
- *     rows' k-th floats share a cache line and one pointer addresses them all.
+ *     The passes read x transposed (linear_args.xt, each thread's own copy): the rows' k-th
+ *     floats share a cache line and one pointer addresses them all.
  *   COL_MAX < M <= COLUMNS_MAX (a few sessions' verifies batched): per panel, column passes of
  *     COL_MAX rows and the rest, the first streaming the panel, the others finding it in cache.
  *   M > COLUMNS_MAX (prefills, large batches): tiles of 6 rows x 4 panels (24 accumulators),
@@ -530,7 +530,6 @@ typedef float v8 __attribute__((vector_size(32)));
 #define BCAST16(f) ((v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f})
 #define BCAST8(f) ((v8){f, f, f, f, f, f, f, f})
 LINEAR_TILE(tile16, v16, 16, 6, PANELS, BCAST16)
-LINEAR_TILE(column16, v16, 16, COL_MAX, 1, BCAST16)
 LINEAR_TILE(tile8, v8, 8, 4, 1, BCAST8)
 
 /* A tile of `rows` (<= MAXR) rows, its row count a constant in each case. */
@@ -571,35 +570,38 @@ LINEAR_TILE(tile8, v8, 8, 4, 1, BCAST8)
         }                                                                                           \
     }
 
-/* A column pass on x transposed (linear_args.xt): the rows' k-th floats side by side, so one
- * pointer with constant offsets addresses every row (with rows apart by k, GCC runs out of
- * general registers past ~10 rows and keeps row pointers in vector registers). The same FMAs in
- * the same order as column16. */
-#define LINEAR_COLUMN(NAME, MAXR)                                                                   \
-    INLINE void NAME(const linear_args *a, int64_t m0, int64_t p, const int rows, const prefetch *f) { \
-        v16 acc[MAXR];                                                                              \
-        const int64_t k = a->k;                                                                     \
-        const float *xt = a->xt + m0 * k;                                                           \
-        const float *w0 = a->panels + p * k * PANEL;                                                \
-        for (int r = 0; r < rows; r++) acc[r] = (v16){0};                                           \
-        for (int64_t kk = 0; kk < k; kk++) {                                                        \
-            prefetch_step(f, kk);                                                                   \
-            v16 w = load16(w0 + kk * PANEL);                                                        \
-            const float *xk = xt + kk * rows;                                                       \
-            for (int r = 0; r < rows; r++) acc[r] += BCAST16(xk[r]) * w;                            \
-        }                                                                                           \
-        for (int r = 0; r < rows; r++) store_panel(a, m0 + r, p, acc[r]);                           \
-    }
-LINEAR_COLUMN(column_t16, COL_MAX)
+/* Rows of the column pass from row m0 of m: COL_MAX, the last pass the rest. */
+INLINE int64_t pass_rows(int64_t m, int64_t m0) { return m - m0 < COL_MAX ? m - m0 : COL_MAX; }
 
-/* x's rows into linear_args.xt's layout, in a buffer of this thread's (kept and grown: at most
+/* One column pass: `rows` rows from row m0 against panel p, x read transposed (linear_args.xt:
+ * the rows' k-th floats side by side, so one pointer with constant offsets addresses every row;
+ * with rows k floats apart GCC runs out of general registers past ~10 rows and keeps row pointers
+ * in vector registers). Every lane sums over k in order, as the 6 x 4 tiles do. */
+INLINE void column16(const linear_args *a, int64_t m0, int64_t p, const int rows, const prefetch *f) {
+    v16 acc[COL_MAX];
+    const int64_t k = a->k;
+    const float *xt = a->xt + m0 * k;
+    const float *w0 = a->panels + p * k * PANEL;
+    for (int r = 0; r < rows; r++) acc[r] = (v16){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        prefetch_step(f, kk);
+        v16 w = load16(w0 + kk * PANEL);
+        const float *xk = xt + kk * rows;
+        for (int r = 0; r < rows; r++) acc[r] += BCAST16(xk[r]) * w;
+    }
+    for (int r = 0; r < rows; r++) store_panel(a, m0 + r, p, acc[r]);
+}
+
+/* x's rows in linear_args.xt's layout, in a buffer of this thread's (kept and grown: at most
  * COLUMNS_MAX rows of the widest k; OpenMP's threads and the callers' live as long as the
- * process); NULL when it cannot grow. Each thread transposes the whole of x for itself: no
- * barrier, and no lines written by the other core (measured against halves and a barrier: 3 µs
- * against 11 µs a 17-row call of 576 x 768 more than untransposed). */
-static float *transposed_rows(const float *x, int64_t m, int64_t k) {
+ * process); NULL when it cannot grow. One row is its own transpose: x itself. Each thread
+ * transposes the whole of x for itself: no barrier, and no lines written by the other core
+ * (measured against halves and a barrier: 3 µs against 11 µs a 17-row call of 576 x 768 more
+ * than untransposed). */
+static const float *transposed_rows(const float *x, int64_t m, int64_t k) {
     static __thread float *buf = NULL;
     static __thread int64_t cap = 0;
+    if (m == 1) return x;
     if (cap < m * k) {
         void *grown = NULL;
         if (posix_memalign(&grown, 64, (size_t)(m * k) * sizeof(float))) return NULL;
@@ -607,8 +609,8 @@ static float *transposed_rows(const float *x, int64_t m, int64_t k) {
         buf = grown;
         cap = m * k;
     }
-    for (int64_t m0 = 0; m0 < m; m0 += COL_MAX) {
-        int64_t rb = m - m0 < COL_MAX ? m - m0 : COL_MAX;
+    for (int64_t m0 = 0, rb; m0 < m; m0 += rb) {
+        rb = pass_rows(m, m0);
         const float *src = x + m0 * k;
         float *dst = buf + m0 * k;
         for (int64_t kk = 0; kk < k; kk++)
@@ -618,11 +620,7 @@ static float *transposed_rows(const float *x, int64_t m, int64_t k) {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define COLUMN_CASE(R, M0, F)                                                                       \
-    case R:                                                                                         \
-        if (a->xt) column_t16(a, M0, p, R, F);                                                      \
-        else column16(a, M0, p, R, 1, F);                                                           \
-        break;
+#define COLUMN_CASE(R, M0, F) case R: column16(a, M0, p, R, F); break;
 /* A column pass of `rows` rows from row m0 against panel p, its row count a constant in each case. */
 #define COLUMN_PASS(rows, m0, f)                                                                    \
     switch (rows) {                                                                                 \
@@ -630,10 +628,7 @@ static float *transposed_rows(const float *x, int64_t m, int64_t k) {
         COLUMN_CASE(5, m0, f) COLUMN_CASE(6, m0, f) COLUMN_CASE(7, m0, f) COLUMN_CASE(8, m0, f)     \
         COLUMN_CASE(9, m0, f) COLUMN_CASE(10, m0, f) COLUMN_CASE(11, m0, f) COLUMN_CASE(12, m0, f) \
         COLUMN_CASE(13, m0, f) COLUMN_CASE(14, m0, f) COLUMN_CASE(15, m0, f) COLUMN_CASE(16, m0, f) \
-        default: /* COL_MAX rows (the first of a larger pass's) */                                  \
-            if (a->xt) column_t16(a, m0, p, COL_MAX, f);                                            \
-            else column16(a, m0, p, COL_MAX, 1, f);                                                 \
-            break;                                                                                  \
+        default: column16(a, m0, p, COL_MAX, f); break;                                             \
     }
 /* Panels [p0, p1) in column passes (M <= COLUMNS_MAX): see the schedule above. */
 __attribute__((target("avx512f"))) static void linear_columns_avx512(const linear_args *a, int64_t p0, int64_t p1) {
@@ -642,15 +637,11 @@ __attribute__((target("avx512f"))) static void linear_columns_avx512(const linea
         /* each pass prefetches its own stream AHEAD bytes ahead of its loads (into the next
          * panel's first lines at its end) */
         prefetch own = {a->panels + p * k * PANEL + AHEAD / sizeof(float), k, PANEL, 0, 1};
-        if (a->m <= COL_MAX) {
-            COLUMN_PASS(a->m, 0, &own)
-            continue;
-        }
-        /* passes of COL_MAX rows and the rest: the first streams the panel, the others find it
-         * in cache */
-        for (int64_t m0 = 0; m0 < a->m; m0 += COL_MAX) {
-            const prefetch *f = m0 ? NULL : &own;
-            COLUMN_PASS(a->m - m0, m0, f)
+        /* passes of COL_MAX rows and the rest (pass_rows): the first streams the panel, the
+         * others find it in cache */
+        for (int64_t m0 = 0, rows; m0 < a->m; m0 += rows) {
+            rows = pass_rows(a->m, m0);
+            COLUMN_PASS(rows, m0, m0 ? NULL : &own)
         }
     }
 }
@@ -661,7 +652,8 @@ __attribute__((target("avx512f"))) static void linear_columns_avx512(const linea
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target("avx512f"))) LINEAR_TILES(linear_tiles_avx512, tile16, 6, PANELS)
 __attribute__((target("avx512f"))) static void linear_panels_avx512(const linear_args *a, int64_t p0, int64_t p1) {
-    if (a->m <= COLUMNS_MAX) linear_columns_avx512(a, p0, p1);
+    /* sd_linear gives x transposed exactly to the passes that run as column passes */
+    if (a->xt) linear_columns_avx512(a, p0, p1);
     else linear_tiles_avx512(a, p0, p1);
 }
 __attribute__((target("arch=x86-64-v3"))) LINEAR_TILES(linear_panels_avx2, tile8, 4, 1)
@@ -710,23 +702,19 @@ void sd_linear(const float *x, int64_t m, int64_t k, const float *panels, int64_
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
     /* column passes take any share of the panels: split them evenly (36 panels: 18 + 18, not 20 + 16) */
     int columns = run == linear_panels_avx512 && m <= COLUMNS_MAX;
-    int64_t step = columns ? 1 : PANELS;
 #else
-    int64_t step = PANELS;
+    int columns = 0;
 #endif
+    int64_t step = columns ? 1 : PANELS;
 #pragma omp parallel if (m * n * k >= (1 << 15))
     {
         int64_t p0, p1;
         if (thread_panels(np, step, &p0, &p1)) {
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-            /* column passes of 2 rows or more read x transposed, each thread its own copy */
-            if (columns && m > 1) {
-                linear_args own = a;
-                own.xt = transposed_rows(x, m, k);
-                run(&own, p0, p1);
-            } else
-#endif
-                run(&a, p0, p1);
+            /* column passes read x transposed, each thread its own copy; without the memory for
+             * it (xt NULL) the passes run as 6 x 4 tiles: the same bits */
+            linear_args own = a;
+            if (columns) own.xt = transposed_rows(x, m, k);
+            run(&own, p0, p1);
         }
     }
 }
