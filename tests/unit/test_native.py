@@ -285,6 +285,46 @@ def test_linears_on_every_instruction_set_agree(tmp_path):
         assert torch.allclose(fast, got["baseline"], rtol=1e-5, atol=1e-5)
 
 
+_NO_MEMORY_SCRIPT = """
+import resource, torch
+from specdec.native import kernels
+k = kernels()
+gen = torch.Generator().manual_seed(3)
+K = 1 << 18  # 17 rows of it transposed: 17 MiB a thread
+w, x = torch.randn(32, K, generator=gen), torch.randn(17, K, generator=gen)
+panels = k.pack_linear(w)
+alone = torch.cat([k.linear(x[i:i + 1].contiguous(), panels, 32) for i in range(17)])  # one row: x itself
+out = torch.empty(17, 32)
+mapped = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (8 << 20), resource.RLIM_INFINITY))
+try:
+    try:
+        bytearray(16 << 20)
+    except MemoryError:
+        pass
+    else:
+        raise SystemExit("the address-space limit did not bite")
+    k.linear(x, panels, 32, out=out)
+finally:
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+assert torch.equal(out, alone), "rows differ"
+print("ok")
+"""
+
+
+def test_column_passes_without_memory_for_x_transposed_run_as_tiles(native):
+    """A 17-row pass whose threads cannot get the buffer for x transposed (the address space
+    limited just above what the process maps) runs as 6 x 4 tiles: the same bits as each row alone,
+    no crash. In a process of its own."""
+    import subprocess
+    import sys
+
+    if native.isa != "avx512":
+        pytest.skip("column passes (and their transposed x) are the AVX-512 schedule")
+    done = subprocess.run([sys.executable, "-c", _NO_MEMORY_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "ok", done.stderr[-2000:]
+
+
 # ---- Linears on GGUF-quantised blocks (the native draft backend) ----
 
 def _gguf_blocks(fmt: str, n: int, k: int, seed: int = 0):
