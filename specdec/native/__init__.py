@@ -37,7 +37,12 @@ import torch  # noqa: F401  # loaded first: the library's OpenMP calls then run 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=fast", "-std=gnu11")
+# kernels.c's companions, one library: the quantised linears' driver, one file per GGUF format, the
+# headers they share
+PARTS = ("quant.c", "q4_0.c", "q4_1.c", "q5_0.c", "q5_1.c", "q8_0.c", "q4_k.c", "q5_k.c", "q6_k.c")
+HEADERS = ("common.h", "quant.h", "kquant.h")
+FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-Wall", "-Werror", "-Wno-psabi")
+SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
 DISABLE_ENV = "SPECDEC_NATIVE"  # "0": never build or load (the runner keeps its torch ops)
 
 _P = ctypes.c_void_p
@@ -47,8 +52,9 @@ _F = ctypes.c_float
 
 PANEL = 16  # output columns per panel of a packed linear weight (kernels.c)
 ACTIVATIONS = {"none": 0, "gelu_tanh": 1}
-QUANT_FORMATS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block types the quantised linears read (kernels.c)
-QUANT_BLOCK = 32  # weights per block along the input dimension (both formats; the kernel's QBLOCK)
+# GGUF block types the quantised linears compute in their own format (quant.h), by kernel id
+QUANT_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+QUANT_BLOCK = 32  # x is quantised per block of 32 (the kernels' QBLOCK); K-quants' super-blocks are 256
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,14 @@ class Layer(ctypes.Structure):
                 ("ln2_b", ctypes.c_void_p), ("after_w", ctypes.c_void_p), ("after_b", ctypes.c_void_p)]
 
 
+def _check_input(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    """ValueError unless ``t`` is a contiguous fp32 CPU tensor of ``shape`` (what the C side reads)."""
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device.type != "cpu"
+            or not t.is_contiguous() or tuple(t.shape) != shape):
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a contiguous fp32 CPU tensor of shape {list(shape)}, got {got}")
+
+
 class NativeError(RuntimeError):
     """The native library could not be built or loaded."""
 
@@ -98,24 +112,34 @@ def compiler() -> str:
     return path
 
 
-def library_name(source: Path | None = None) -> str:
-    """The library's file name: a digest of the source, the flags and the machine architecture,
+def sources(source: Path | None = None) -> list[Path]:
+    """The files of one build: ``source`` (kernels.c, or another version of it), then its
+    companions (:data:`PARTS`, :data:`HEADERS`) from the same folder where they are there, else
+    from this package."""
+    source = source or SOURCE
+    return [source] + [source.parent / n if (source.parent / n).is_file() else SOURCE.parent / n for n in PARTS + HEADERS]
+
+
+def library_name(source: Path | None = None, flags: tuple[str, ...] = FLAGS) -> str:
+    """The library's file name: a digest of the sources, the flags and the machine architecture,
     so a changed kernel builds anew and a stale build is never loaded (a prebuilt library, as in
     the container image, needs no compiler where it runs)."""
     digest = hashlib.sha256()
-    for part in ((source or SOURCE).read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode()):
+    for part in (*(f.read_bytes() for f in sources(source)), " ".join(flags).encode(), platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"
 
 
-def build(folder: Path | None = None, source: Path | None = None) -> Path:
-    """The compiled library's path, compiling it first when ``folder`` has no build of this source
+def build(folder: Path | None = None, source: Path | None = None, sanitize: bool = False) -> Path:
+    """The compiled library's path, compiling it first when ``folder`` has no build of these sources
     and flags yet (raises :class:`NativeError` with the compiler's message). ``source``: another
-    kernels.c (a benchmark comparing two versions; default :data:`SOURCE`)."""
+    kernels.c (a benchmark comparing two versions; default :data:`SOURCE`). ``sanitize``: an
+    AddressSanitizer + UBSan build (``make test-native-asan``; load it with libasan preloaded)."""
     source = source or SOURCE
     folder = folder or _folder()
-    target = folder / library_name(source)
+    flags = FLAGS + SANITIZE_FLAGS if sanitize else FLAGS
+    target = folder / library_name(source, flags)
     if target.exists():
         return target
     cc = compiler()
@@ -130,7 +154,9 @@ def build(folder: Path | None = None, source: Path | None = None) -> Path:
     except OSError as exc:
         raise NativeError(f"cannot write to {folder}: {exc}") from exc
     os.close(fd)
-    cmd = [cc, *FLAGS, str(source), "-o", tmp, "-lm"]
+    files = sources(source)
+    cmd = [cc, *flags, f"-I{source.parent}", f"-I{SOURCE.parent}", *(str(f) for f in files if f.suffix == ".c"),
+           "-o", tmp, "-lm"]
     logger.info("compiling specdec's native kernels (a few seconds, once): %s", " ".join(cmd))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -138,7 +164,7 @@ def build(folder: Path | None = None, source: Path | None = None) -> Path:
             raise NativeError(f"{Path(cc).name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeError(f"compiling {source.name} failed: {exc}") from exc
+        raise NativeError(f"compiling {source.name} and its parts failed: {exc}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -178,9 +204,11 @@ class Kernels:
         self._linear_quant.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _P, _P, ctypes.c_int, _P, _P]
         self._linear_quant.restype = None
         quant_isa = lib.sd_quant_isa
+        quant_isa.argtypes = [ctypes.c_int]
         quant_isa.restype = ctypes.c_char_p
-        # the quantised linears' instruction set: vnni (AVX-512 VNNI), else baseline (portable, slow)
-        self.quant_isa: str = quant_isa().decode()
+        # each format's kernel here: avx2, avx512-vnni (Q4_1, Q8_0 on CPUs with it) or baseline
+        # (portable, ~30x slower than avx2)
+        self.quant_isas: dict[str, str] = {name: quant_isa(code).decode() for name, code in QUANT_FORMATS.items()}
         self._attention = lib.sd_attention
         self._attention.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _I]
         self._attention.restype = ctypes.c_int
@@ -225,18 +253,27 @@ class Kernels:
             scratch = self._local.scratch = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
         return scratch
 
+    def quant_isa(self, fmt: str = "Q4_1") -> str:
+        """The instruction set that computes GGUF format ``fmt`` here (:data:`QUANT_FORMATS`)."""
+        return self.quant_isas[fmt]
+
     def pack_quant(self, blocks: np.ndarray, fmt: str, out_features: int, in_features: int) -> QuantWeight:
-        """A GGUF tensor's raw blocks (uint8, [out, in / 32 * block bytes], as ``gguf.GGUFReader``
-        reads a Q4_1 or Q8_0 tensor) packed for :meth:`linear`."""
+        """A GGUF tensor's raw blocks (uint8, [out, in / block * block bytes], as ``gguf.GGUFReader``
+        reads a tensor of a :data:`QUANT_FORMATS` type) packed for :meth:`linear`. Raises
+        ValueError for another type or a shape that does not match."""
         if fmt not in QUANT_FORMATS:
-            raise ValueError(f"quantised linears read {sorted(QUANT_FORMATS)}, not {fmt}")
-        if in_features % QUANT_BLOCK:
-            raise ValueError(f"in_features {in_features} is not a multiple of {QUANT_BLOCK}")
+            raise ValueError(f"quantised linears compute {', '.join(QUANT_FORMATS)}, not {fmt}")
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+        if out_features <= 0 or in_features <= 0 or in_features % block:
+            raise ValueError(f"a {fmt} weight needs in_features a positive multiple of {block} and out_features > 0, "
+                             f"got [{out_features}, {in_features}]")
         expected = (out_features, in_features // block * block_bytes)
-        blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+        if not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8:
+            raise ValueError(f"{fmt} blocks must be a uint8 numpy array, got {type(blocks).__name__} "
+                             f"{getattr(blocks, 'dtype', '')}")
+        blocks = np.ascontiguousarray(blocks)
         if blocks.shape != expected:
             raise ValueError(f"{fmt} blocks of shape {blocks.shape}, expected {expected}")
         code = QUANT_FORMATS[fmt]
@@ -244,12 +281,22 @@ class Kernels:
         self._pack_quant(blocks.ctypes.data, out_features, in_features, code, data.data_ptr())
         return QuantWeight(data, fmt, out_features, in_features)
 
+    @staticmethod
+    def quant_scratch_bytes(rows: int, k: int) -> int:
+        """Bytes of the scratch a quantised linear of ``rows`` rows and input ``k`` needs for x's
+        quants, scales and sums (quant.c's quantise_rows)."""
+        return rows * (k + 20 * (k // QUANT_BLOCK))
+
     def linear(self, x: torch.Tensor, panels: torch.Tensor | QuantWeight, out_features: int,
                bias: torch.Tensor | None = None, act: str = "none", residual: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """``act(x @ W.T + bias) + residual`` of a [rows, in] ``x`` on ``W`` packed by
         :meth:`pack_linear` (fp32) or :meth:`pack_quant`; ``act`` "none" or "gelu_tanh". Written
         into ``out`` (contiguous fp32 [rows, out_features]) when given, else into a new tensor."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"x must be a 2-D fp32 tensor, got {getattr(x, 'shape', type(x).__name__)}")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"act must be one of {', '.join(ACTIVATIONS)}, not {act!r}")
         rows = x.shape[0]
         if out is not None and (out.shape != (rows, out_features) or out.dtype != torch.float32
                                 or not out.is_contiguous()):
@@ -258,7 +305,13 @@ class Kernels:
         y = x.new_empty(rows, out_features) if out is None else out
         if isinstance(panels, QuantWeight):
             k = x.shape[1]
-            scratch = self._quant_scratch(rows * (k + 12 * (k // QUANT_BLOCK)))
+            _check_input(x, (rows, panels.in_features), "x")
+            if out_features != panels.out_features:
+                raise ValueError(f"out_features {out_features} of a weight with {panels.out_features}")
+            for name, t in (("bias", bias), ("residual", residual)):
+                if t is not None:
+                    _check_input(t, (out_features,) if name == "bias" else (rows, out_features), name)
+            scratch = self._quant_scratch(self.quant_scratch_bytes(rows, k))
             self._linear_quant(x.data_ptr(), rows, k, panels.data.data_ptr(), QUANT_FORMATS[panels.fmt], out_features,
                                None if bias is None else bias.data_ptr(),
                                None if residual is None else residual.data_ptr(), ACTIVATIONS[act], y.data_ptr(),
@@ -297,7 +350,7 @@ class Kernels:
         attn = x.new_zeros(rows, heads * head_dim)  # rows outside every segment (padding) stay 0
         up = x.new_empty(rows, width)
         act = x.new_empty(rows, width // 2) if gated else None
-        scratch = self._quant_scratch(rows * (quant_k + 12 * (quant_k // QUANT_BLOCK))) if quant_k else None
+        scratch = self._quant_scratch(self.quant_scratch_bytes(rows, quant_k)) if quant_k else None
         rc = self._forward(x.data_ptr(), rows, hidden, ln1[0].data_ptr(), None if ln1[1] is None else ln1[1].data_ptr(),
                            ctypes.addressof(layers), len(layers), heads, kv_heads, head_dim, int(gated),
                            ACTIVATIONS[up_act], None if cos is None else cos.data_ptr(),
