@@ -222,10 +222,14 @@ class _FastLinears:
                 for group in self._groups(model, dict((id(m), w) for m, w in linears), quant):
                     biases = [m.bias for m, _ in group]
                     bias = None if biases[0] is None else torch.cat(biases).detach() if len(group) > 1 else biases[0]
-                    if id(group[0][0]) in quant:  # a group's members share one block type (_groups)
-                        fmt = quant[id(group[0][0])][0]
-                        raw = np.concatenate([quant[id(m)][1] for m, _ in group])
-                        packed = self.native.pack_quant(raw, fmt, raw.shape[0], group[0][1].shape[1])
+                    if id(group[0][0]) in quant:  # all of a group's members are quantised, or none (_groups)
+                        fmts = {quant[id(m)][0] for m, _ in group}
+                        if len(fmts) == 1:
+                            raw = np.concatenate([quant[id(m)][1] for m, _ in group])
+                            packed = self.native.pack_quant(raw, fmts.pop(), raw.shape[0], group[0][1].shape[1])
+                        else:  # members stored in different types: one weight of several parts
+                            packed = self.native.pack_quant_parts(
+                                [(quant[id(m)][1], quant[id(m)][0], w.shape[0]) for m, w in group], group[0][1].shape[1])
                         self.quantised += len(group)
                     else:
                         weight = torch.cat([w for _, w in group]) if len(group) > 1 else group[0][1]
@@ -250,15 +254,19 @@ class _FastLinears:
                 ) -> list[list[tuple[Any, torch.Tensor]]]:
         """The linears to pack, grouped: layers that read the same input (a Llama layer's q, k and
         v projections; its gate and up projections, see specdec.runner.fused_groups) share one
-        packed weight when their inputs, biases, dtypes and storage (fp32, or one GGUF block type
-        in ``quant``) agree, every other layer packs alone. One pass over a fused weight streams it
+        packed weight when their inputs, biases, dtypes and storage (fp32, or GGUF blocks in
+        ``quant``: of one type, or of several where every member but the last has a multiple of
+        16 outputs) agree, every other layer packs alone. One pass over a fused weight streams it
         once: the embedded target's 211 linears cost ~8 % less as 121 (docs/performance.md)."""
         groups, grouped = [], set()
         for members in fused_groups(model):
             ws = [weights.get(id(m)) for m in members]
             if any(w is None for w in ws) or len({w.shape[1] for w in ws}) != 1 \
                     or len({getattr(m, "bias", None) is None for m in members}) != 1 \
-                    or len({quant[id(m)][0] if id(m) in quant else None for m in members}) != 1:
+                    or len({id(m) in quant for m in members}) != 1:
+                continue
+            if id(members[0]) in quant and len({quant[id(m)][0] for m in members}) > 1 \
+                    and any(w.shape[0] % 16 for w in ws[:-1]):
                 continue
             groups.append(list(zip(members, ws, strict=True)))
             grouped.update(id(m) for m in members)

@@ -121,12 +121,43 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, per, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool
-                ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray]]]:
-    """The model's fp32 state dict from the file, and the raw blocks of the Q4_1 / Q8_0 linears by
-    parameter name. Those linears get an unwritten fp32 tensor of their shape unless
-    ``dequantize_blocks`` (the engine packs their blocks and frees it: never touched, it costs
-    no memory)."""
+FLOAT_TYPES = ("F32", "F16", "BF16")  # tensors the engine computes from an fp32 copy
+
+
+class QuantRows:
+    """A quantised token-embedding table read row by row: the file's blocks (a view of the
+    mapped file) and their type; :meth:`lookup` dequantises only the rows a pass embeds, so the
+    table costs no fp32 copy (49152 x 576 floats, 113 MB, for the embedded model)."""
+
+    def __init__(self, blocks: np.ndarray, qtype: Any, hidden: int) -> None:
+        self.blocks, self.qtype, self.hidden = blocks, qtype, hidden
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        rows = dequantize(self.blocks[ids.numpy()], self.qtype).reshape(-1, self.hidden)
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+
+
+def _check_types(gguf: GGUFFile, linear_names: dict[str, Any], tied: bool) -> None:
+    """UnsupportedModel naming the first linear (or tied embedding) whose type the kernels cannot
+    compute, with the types they can."""
+    for name, tensor in gguf.tensors.items():
+        computed = name in linear_names or (tied and name == "token_embd.weight")
+        if computed and tensor.type_name not in QUANT_FORMATS and tensor.type_name not in FLOAT_TYPES:
+            raise UnsupportedModel(
+                f"{gguf.path.name}: tensor {name} is {tensor.type_name}, which specdec's kernels do not compute "
+                f"(they compute {', '.join(QUANT_FORMATS)} and {', '.join(FLOAT_TYPES)}); requantise the file to one "
+                "of those, e.g. with llama-quantize")
+
+
+def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool, embedding_rows: bool = False
+                ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray]], QuantRows | None]:
+    """The model's fp32 state dict from the file, the raw blocks of the quantised linears (types
+    of QUANT_FORMATS) by parameter name, and with ``embedding_rows`` the token embeddings as
+    :class:`QuantRows` when they are quantised. Those linears (and such embeddings) get an
+    unwritten fp32 tensor of their shape unless ``dequantize_blocks`` (the engine packs their
+    blocks and frees it: never touched, it costs no memory)."""
     from gguf.quants import dequantize
 
     config = model.config
@@ -152,6 +183,7 @@ def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool
         names[name] = parameter_of[id(module)] + ".weight"
     state: dict[str, torch.Tensor] = {}
     blocks: dict[str, tuple[str, np.ndarray]] = {}
+    rows: QuantRows | None = None
     for name, tensor in gguf.tensors.items():
         target = names.get(name)
         if target is None:
@@ -166,6 +198,12 @@ def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool
                 shape = tuple(reversed(tensor.shape))
                 state[target] = torch.empty(shape[::-1] if arch == "gpt2" else shape)
                 continue
+        if (name == "token_embd.weight" and embedding_rows and not dequantize_blocks
+                and tensor.type_name not in FLOAT_TYPES):
+            shape = tuple(reversed(tensor.shape))
+            rows = QuantRows(raw, tensor.type, shape[1])
+            state[target] = torch.empty(shape)
+            continue
         values = dequantize(raw, tensor.type).reshape(tuple(reversed(tensor.shape)))
         values = np.ascontiguousarray(values, dtype=np.float32)
         weight = torch.from_numpy(values if values.flags.writeable else values.copy())  # F32: a view of the file
@@ -177,16 +215,20 @@ def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool
             embd = gguf.tensors["token_embd.weight"]
             if embd.type_name in QUANT_FORMATS:
                 blocks["lm_head.weight"] = (embd.type_name, np.ascontiguousarray(embd.data))
-    return state, blocks
+    return state, blocks, rows
 
 
-def load_gguf(path: Path, dequantize_blocks: bool = True) -> tuple[Any, dict[int, tuple[str, np.ndarray]], GGUFFile]:
+def load_gguf(path: Path, dequantize_blocks: bool = True, strict: bool = False
+              ) -> tuple[Any, dict[int, tuple[str, np.ndarray]], GGUFFile]:
     """The causal LM in the GGUF file ``path`` (transformers, fp32, eval mode), its quantised
     linears' raw blocks by ``id(module)`` (``quant`` for specdec.engine), and the parsed file.
     ``dequantize_blocks`` False leaves those linears' fp32 weights unwritten (for an engine that
-    packs the blocks: transformers' own forward is then meaningless). Raises
-    :class:`UnsupportedModel` when :func:`unsupported` names a reason or a tensor has no place in
-    the model."""
+    packs the blocks: transformers' own forward is then meaningless). ``strict`` (a target: the
+    weights computed in their own format, never an fp32 copy): every linear must be of a type the
+    kernels compute or a float type, and quantised token embeddings stay quantised
+    (``model.specdec_embedding``, a :class:`QuantRows`). Raises :class:`UnsupportedModel` when
+    :func:`unsupported` names a reason, a tensor has no place in the model, or (``strict``) a
+    tensor's type cannot be computed."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -198,7 +240,9 @@ def load_gguf(path: Path, dequantize_blocks: bool = True) -> tuple[Any, dict[int
     config = _config(gguf)
     with no_init_weights():  # every parameter comes from the file: no random initialisation first
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state, blocks = _state_dict(gguf, model, arch, dequantize_blocks)
+    if strict:
+        _check_types(gguf, dict(_modules(model, arch)), config.tie_word_embeddings)
+    state, blocks, rows = _state_dict(gguf, model, arch, dequantize_blocks, embedding_rows=strict)
     expected = {n for n, _ in model.named_parameters()}
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")  # the token embeddings, tied below
@@ -209,6 +253,7 @@ def load_gguf(path: Path, dequantize_blocks: bool = True) -> tuple[Any, dict[int
     if config.tie_word_embeddings:
         model.tie_weights()
     model.eval()
+    model.specdec_embedding = rows
     modules = dict(model.named_modules())
     quant = {id(modules[name.removesuffix(".weight")]): value for name, value in blocks.items()}
     logger.info("%s: %d of its %d linear layers on their GGUF blocks (%s)", path.name, len(quant),

@@ -110,6 +110,12 @@ def load_tokenizer(model: str, cache_dir: Path | None = None) -> Any:
             return AutoTokenizer.from_pretrained(converted)
         gguf = embedded_gguf_path()
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():  # a GGUF target: the tokenizer the file carries
+        try:
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except (OSError, ValueError) as exc:
+            raise NotFound(f"cannot load the tokenizer of {model!r}: {exc}") from exc
     try:
         return AutoTokenizer.from_pretrained(resolve_hf(model, cache_dir), trust_remote_code=False)
     except OSError as exc:

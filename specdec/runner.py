@@ -49,6 +49,14 @@ PACK_PAD_ROWS = 4
 PACK_EXACT_ROWS = 64
 
 
+def embed(ids: torch.Tensor, table: Any) -> torch.Tensor:
+    """The rows of ``table`` (an fp32 [vocab, hidden] tensor, or specdec.gguf_model.QuantRows:
+    quantised embeddings, dequantised row by row) at ``ids``."""
+    if isinstance(table, torch.Tensor):
+        return F.embedding(ids, table)
+    return table.lookup(ids)
+
+
 def padded_rows(rows: int) -> int:
     """The rows a packed pass of ``rows`` rows computes: at least :data:`PACK_PAD_ROWS`, exact up to
     :data:`PACK_EXACT_ROWS`, then the next multiple of 1/8 of the power of two below (65 -> 72,
@@ -294,7 +302,7 @@ class LlamaRunner(_Runner):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         super().__init__(heads, config.num_key_value_heads, head_dim, head_dim ** -0.5, _linear(fast, model.lm_head))
         self.hidden = config.hidden_size
-        self.embed = inner.embed_tokens.weight
+        self.embed = getattr(model, "specdec_embedding", None) or inner.embed_tokens.weight
         self.rotary = inner.rotary_emb
         self.eps = config.rms_norm_eps
         self.final_norm = inner.norm.weight
@@ -321,7 +329,7 @@ class LlamaRunner(_Runner):
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         t = batch.ids.shape[0]
-        x = self.pad(F.embedding(batch.ids, self.embed))
+        x = self.pad(embed(batch.ids, self.embed))
         tp = x.shape[0]
         positions = batch.positions if tp == t else torch.cat((batch.positions, batch.positions.new_zeros(tp - t)))
         cos, sin = self.rotary(x, positions[None])  # [1, Tp, D]: cos and sin repeated over both halves
@@ -389,7 +397,7 @@ class GPT2Runner(_Runner):
         super().__init__(heads, heads, head_dim, head_dim ** -0.5, _linear(fast, model.lm_head))
         self.hidden = config.n_embd
         self.eps = config.layer_norm_epsilon
-        self.wte, self.wpe = inner.wte.weight, inner.wpe.weight
+        self.wte, self.wpe = getattr(model, "specdec_embedding", None) or inner.wte.weight, inner.wpe.weight
         self.final_norm = (inner.ln_f.weight, inner.ln_f.bias)
         self.layers = [
             (block.ln_1.weight, block.ln_1.bias, _linear(fast, block.attn.c_attn), _linear(fast, block.attn.c_proj),
@@ -406,7 +414,7 @@ class GPT2Runner(_Runner):
 
     def forward(self, batch: RunnerBatch) -> torch.Tensor:
         heads, d, n = self.heads, self.head_dim, self.hidden
-        x = self.pad(F.embedding(batch.ids, self.wte) + F.embedding(batch.positions, self.wpe))
+        x = self.pad(embed(batch.ids, self.wte) + F.embedding(batch.positions, self.wpe))
         if self.native is not None:
             return self._forward_native(x, batch)
         tp = x.shape[0]

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,8 +23,8 @@ from specdec.engine import (
     validate_session_id,
     validate_tokens,
 )
-from specdec.errors import InvalidArgument
-from specdec.models import LoadedModel, load_hf, tokenizer_fingerprint
+from specdec.errors import InvalidArgument, NotFound
+from specdec.models import LoadedModel, gguf_tokenizer_fingerprint, load_hf, tokenizer_fingerprint
 from specdec.scheduler import PENDING, CpuAccounted, StepResult, run_alone
 from specdec.sessions import SessionStore, common_prefix_len
 
@@ -77,6 +78,65 @@ class Verification:
     step_cpu_ns: int = 0  # set by the scheduler: process CPU time of the pass(es) it was in, mean
 
 
+def target_gguf(model: str, quant: str | None, cache_dir: Path | None = None) -> Path | None:
+    """The GGUF file the target computes: ``model`` itself when it is a .gguf file, the model
+    converted to ``quant`` (once, cached) when ``quant`` is set, else None (a transformers
+    checkpoint in its own dtype)."""
+    from specdec.gguf_convert import ensure_gguf
+
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if quant is not None:
+            raise InvalidArgument(f"{model!r} is a GGUF file of its own type: unset quant ({quant!r}), or give the "
+                                  "checkpoint to quantise")
+        if not path.is_file():
+            raise NotFound(f"no such GGUF file: {model!r}")
+        return path
+    if quant is None:
+        return None
+    return ensure_gguf(model, quant, cache_dir)
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF target: the model specdec.gguf_model builds, its quantised linears' blocks, the file."""
+
+    model: object
+    quant: dict
+    file: object  # specdec.gguf_file.GGUFFile
+    file_type: str
+    load_s: float
+
+    @classmethod
+    def load(cls, path: Path) -> GGUFModel:
+        """The model of the GGUF file ``path``, or UnsupportedModel saying why it cannot be served
+        (an architecture the runner does not cover, a tensor type the kernels do not compute)."""
+        from specdec.gguf_model import UnsupportedModel, file_type, load_gguf
+        from specdec.native import kernels
+
+        if kernels() is None:
+            raise UnsupportedModel("a GGUF target computes on specdec.native, which is unavailable here (the log says "
+                                   "why: a C compiler is needed once)")
+        t0 = time.perf_counter()
+        model, quant, gguf = load_gguf(path, dequantize_blocks=False, strict=True)
+        return cls(model, quant, gguf, file_type(gguf), time.perf_counter() - t0)
+
+    def check(self, lm: CachedCausalLM) -> None:
+        """UnsupportedModel unless the whole forward runs on specdec's runner and kernels (the
+        quantised weights have no transformers forward); logs each format's kernel."""
+        from specdec.gguf_model import UnsupportedModel
+        from specdec.native import kernels
+
+        if lm.runner is None or lm.runner.native is None:
+            raise UnsupportedModel(f"{self.file.path.name}: specdec's runner does not cover this model (the log says "
+                                   "why), and its quantised weights have no other forward here")
+        native = kernels()
+        formats = sorted({fmt for fmt, _ in self.quant.values()})
+        logger.info("GGUF target %s (%s): %d linears in their own format (%s), fp32 linears on %s",
+                    self.file.path.name, self.file_type, len(self.quant),
+                    ", ".join(f"{f} on {native.quant_isa(f)}" for f in formats) or "none", native.isa)
+
+
 class TargetEngine:
     """Verifies drafts against a transformers causal LM with per-session KV caches."""
 
@@ -85,40 +145,59 @@ class TargetEngine:
     def __init__(self, loaded: LoadedModel, store: SessionStore, *, max_draft_tokens: int = 32,
                  max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, overlap_threads: int = 0,
                  shared_prefill_rows: int = DEFAULT_SHARED_PREFILL_ROWS, pack_weights: bool = True,
-                 use_runner: bool = True, native: bool = True) -> None:
+                 use_runner: bool = True, native: bool = True, gguf: GGUFModel | None = None) -> None:
         self.loaded = loaded
         # Rows of long prefills in a pass that also decodes for other sessions (0: max_batch_rows).
         self.shared_prefill_rows = max(shared_prefill_rows, MIN_PREFILL_CHUNK) if shared_prefill_rows else 0
         # Threads of a pass that verifies while a draft computes on this host (0: no change).
         self.overlap_threads = overlap_threads
-        self.lm = CachedCausalLM(loaded.model, store, pack_weights, use_runner, native=native)
+        self.lm = CachedCausalLM(loaded.model, store, pack_weights, use_runner, native=native,
+                                 quant=gguf.quant if gguf is not None else None)
+        if gguf is not None:
+            gguf.check(self.lm)
         self.store = store
         self.max_draft_tokens = max_draft_tokens
         self.max_batch_rows = max(max_batch_rows, max_draft_tokens + 1 + MIN_PREFILL_CHUNK)
         config = loaded.model.config
+        if gguf is not None:
+            self.backend = "native"
+            fingerprint, _, eos = gguf_tokenizer_fingerprint(gguf.file)
+            dtype, eos_tokens = gguf.file_type, sorted(eos)
+        else:
+            fingerprint, dtype = tokenizer_fingerprint(loaded.tokenizer), str(loaded.model.dtype).removeprefix("torch.")
+            eos_tokens = eos_ids(config, loaded.tokenizer, getattr(loaded.model, "generation_config", None))
         self._info = ModelInfo(
             model_id=loaded.model_id,
             architecture=(config.architectures or [type(loaded.model).__name__])[0],
             vocab_size=self.lm.vocab_size,
-            tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+            tokenizer_fingerprint=fingerprint,
             max_context=self.lm.max_context,
-            dtype=str(loaded.model.dtype).removeprefix("torch."),
+            dtype=dtype,
             device=str(self.lm.device),
             backend=self.backend,
             max_draft_tokens=max_draft_tokens,
-            eos_token_ids=eos_ids(config, loaded.tokenizer, getattr(loaded.model, "generation_config", None)),
+            eos_token_ids=eos_tokens,
         )
 
     @classmethod
     def from_settings(cls, settings: TargetSettings, *, loaded: LoadedModel | None = None) -> TargetEngine:
         """The engine the target service's settings describe; ``loaded``: the model, when the caller
         loaded it already (else ``settings.model`` is loaded here)."""
+        gguf = None
         if loaded is None:
-            loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
+            path = target_gguf(settings.model, settings.quant, settings.cache_dir)
+            if path is not None:
+                if settings.device != "cpu" or settings.runner != "auto":
+                    raise InvalidArgument(f"a GGUF target runs on specdec's CPU kernels: it needs device=cpu and "
+                                          f"runner=auto, not device={settings.device!r}, runner={settings.runner!r}")
+                gguf = GGUFModel.load(path)
+                loaded = LoadedModel(gguf.model, None, settings.model, str(path), gguf.load_s)
+            else:
+                loaded = load_hf(settings.model, settings.dtype, settings.device, settings.cache_dir)
         return cls(loaded, SessionStore.from_settings(settings), max_draft_tokens=settings.max_draft_tokens,
                    max_batch_rows=settings.max_batch_rows, overlap_threads=settings.overlap_threads,
                    shared_prefill_rows=settings.shared_prefill_rows, pack_weights=settings.pack_weights,
-                   use_runner=settings.runner == "auto")
+                   use_runner=settings.runner == "auto", gguf=gguf)
 
     def info(self) -> ModelInfo:
         self._info.max_context = self.lm.max_context

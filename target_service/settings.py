@@ -7,13 +7,29 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from specdec.gguf_convert import QUANTS
 from specdec.settings import ModelServiceSettings
 
 
 class TargetSettings(ModelServiceSettings):
-    """Target service: a transformers causal LM (``gpt2`` is the mission's target)."""
+    """Target service: a causal LM, from a transformers checkpoint (``gpt2`` is the mission's
+    target) or a GGUF file computed in its own quantised format."""
 
     model_config = SettingsConfigDict(env_prefix="SPECDEC_TARGET_", cli_prog_name="python -m target_service")
+
+    model: str = Field(
+        "embedded",
+        description="Hugging Face id, local checkpoint folder, .gguf file (Llama or GPT-2; computed on specdec's "
+                    "kernels in the file's own format: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, F32), or "
+                    "'embedded'.",
+    )
+    quant: Literal[QUANTS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="Serve the model (an id, folder or 'embedded', not a .gguf file) quantised to this GGUF type: "
+                    "converted once with llama.cpp's converter and quantiser, cached under cache_dir/gguf, then run as "
+                    "a .gguf target (q8_0 and q4_k_m are the common choices). Unset: the checkpoint's own weights "
+                    "through transformers' loader, in `dtype`.",
+    )
 
     port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 picks a free one).")
     metrics_port: int | None = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")

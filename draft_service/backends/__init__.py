@@ -60,8 +60,8 @@ def native_unavailable(settings: DraftSettings) -> str | None:
     native = kernels()
     if native is None:
         return "specdec.native is unavailable (see the log)"
-    if native.quant_isa != "vnni":
-        return f"this CPU has no AVX-512 VNNI (specdec.native's quantised linears run {native.quant_isa})"
+    if native.quant_isa("Q4_1") != "avx512-vnni":
+        return f"this CPU has no AVX-512 VNNI (specdec.native's quantised linears run {native.quant_isa('Q4_1')})"
     gguf = GGUFFile(draft_gguf(settings.model, settings.target_model, settings.quant, settings.cache_dir))
     why = unsupported(gguf)
     if why is None and file_type(gguf) not in QUANT_FORMATS:

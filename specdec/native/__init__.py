@@ -62,16 +62,17 @@ class QuantWeight:
     """A GGUF-quantised [out, in] weight packed by :meth:`Kernels.pack_quant` (uint8 bytes)."""
 
     data: torch.Tensor
-    fmt: str  # a key of QUANT_FORMATS
+    fmt: str  # a key of QUANT_FORMATS, or "mixed": parts of several formats (:meth:`Kernels.pack_quant_parts`)
     out_features: int
     in_features: int
+    parts: torch.Tensor | None = None  # mixed: int64 [parts, 3] of (format code, out_features, byte offset)
 
 
 class Lin(ctypes.Structure):
     """kernels.c's sd_lin: one linear of :meth:`Kernels.forward_decoder`."""
 
     _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("fmt", ctypes.c_int64)]
+                ("fmt", ctypes.c_int64), ("parts", ctypes.c_void_p), ("nparts", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):
@@ -197,9 +198,15 @@ class Kernels:
         self._pack_quant = lib.sd_pack_quant
         self._pack_quant.argtypes = [_P, _I, _I, ctypes.c_int, _P]
         self._pack_quant.restype = None
-        self._quant_bytes = lib.sd_quant_bytes
-        self._quant_bytes.argtypes = [_I, _I, ctypes.c_int]
+        self._quant_bytes = lib.sd_quant_bytes_as
+        self._quant_bytes.argtypes = [_I, _I, ctypes.c_int, ctypes.c_int]
         self._quant_bytes.restype = _I
+        self._pack_quant_as = lib.sd_pack_quant_as
+        self._pack_quant_as.argtypes = [_P, _I, _I, ctypes.c_int, ctypes.c_int, _P]
+        self._pack_quant_as.restype = None
+        self._linear_quant_parts = lib.sd_linear_quant_parts
+        self._linear_quant_parts.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _P, ctypes.c_int, _P, _P]
+        self._linear_quant_parts.restype = None
         self._linear_quant = lib.sd_linear_quant
         self._linear_quant.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _P, _P, ctypes.c_int, _P, _P]
         self._linear_quant.restype = None
@@ -261,6 +268,36 @@ class Kernels:
         """A GGUF tensor's raw blocks (uint8, [out, in / block * block bytes], as ``gguf.GGUFReader``
         reads a tensor of a :data:`QUANT_FORMATS` type) packed for :meth:`linear`. Raises
         ValueError for another type or a shape that does not match."""
+        blocks = self._checked_blocks(blocks, fmt, out_features, in_features)
+        code = QUANT_FORMATS[fmt]
+        data = torch.empty(self._quant_bytes(out_features, in_features, code, 0), dtype=torch.uint8)
+        self._pack_quant(blocks.ctypes.data, out_features, in_features, code, data.data_ptr())
+        return QuantWeight(data, fmt, out_features, in_features)
+
+    def pack_quant_parts(self, parts: list[tuple[np.ndarray, str, int]], in_features: int) -> QuantWeight:
+        """Several GGUF tensors of one input, each (blocks, format, out_features), stacked along
+        the output as one weight (a fused q/k/v or gate/up whose members the file stores in
+        different types): one call computes them all, x quantised once. Every part but the last
+        needs out_features a multiple of 16."""
+        if not parts:
+            raise ValueError("no parts")
+        checked = [(self._checked_blocks(b, f, n, in_features), f, n) for b, f, n in parts]
+        if any(n % PANEL for _, _, n in checked[:-1]):
+            raise ValueError(f"every part but the last needs out_features a multiple of {PANEL}, got "
+                             f"{[n for _, _, n in checked]}")
+        sizes = [self._quant_bytes(n, in_features, QUANT_FORMATS[f], 1) for _, f, n in checked]
+        data = torch.empty(sum(sizes), dtype=torch.uint8)
+        table, offset = [], 0
+        for (blocks, fmt, n), size in zip(checked, sizes, strict=True):
+            self._pack_quant_as(blocks.ctypes.data, n, in_features, QUANT_FORMATS[fmt], 1, data.data_ptr() + offset)
+            table.append((QUANT_FORMATS[fmt], n, offset))
+            offset += size
+        return QuantWeight(data, "mixed", sum(n for _, _, n in checked), in_features,
+                           torch.tensor(table, dtype=torch.int64))
+
+    @staticmethod
+    def _checked_blocks(blocks: np.ndarray, fmt: str, out_features: int, in_features: int) -> np.ndarray:
+        """``blocks`` as the packers read them, or ValueError saying what does not match."""
         if fmt not in QUANT_FORMATS:
             raise ValueError(f"quantised linears compute {', '.join(QUANT_FORMATS)}, not {fmt}")
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -276,10 +313,7 @@ class Kernels:
         blocks = np.ascontiguousarray(blocks)
         if blocks.shape != expected:
             raise ValueError(f"{fmt} blocks of shape {blocks.shape}, expected {expected}")
-        code = QUANT_FORMATS[fmt]
-        data = torch.empty(self._quant_bytes(out_features, in_features, code), dtype=torch.uint8)
-        self._pack_quant(blocks.ctypes.data, out_features, in_features, code, data.data_ptr())
-        return QuantWeight(data, fmt, out_features, in_features)
+        return blocks
 
     @staticmethod
     def quant_scratch_bytes(rows: int, k: int) -> int:
@@ -312,6 +346,12 @@ class Kernels:
                 if t is not None:
                     _check_input(t, (out_features,) if name == "bias" else (rows, out_features), name)
             scratch = self._quant_scratch(self.quant_scratch_bytes(rows, k))
+            if panels.parts is not None:
+                self._linear_quant_parts(x.data_ptr(), rows, k, panels.data.data_ptr(), panels.parts.data_ptr(),
+                                         panels.parts.shape[0], out_features, None if bias is None else bias.data_ptr(),
+                                         None if residual is None else residual.data_ptr(), ACTIVATIONS[act],
+                                         y.data_ptr(), scratch.data_ptr())
+                return y
             self._linear_quant(x.data_ptr(), rows, k, panels.data.data_ptr(), QUANT_FORMATS[panels.fmt], out_features,
                                None if bias is None else bias.data_ptr(),
                                None if residual is None else residual.data_ptr(), ACTIVATIONS[act], y.data_ptr(),
@@ -327,6 +367,9 @@ class Kernels:
         """A packed linear (:meth:`pack_linear` panels or a :class:`QuantWeight`) as
         :meth:`forward_decoder` reads it; the tensors must outlive every call that uses it."""
         if isinstance(weight, QuantWeight):
+            if weight.parts is not None:
+                return Lin(weight.data.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
+                           weight.in_features, -2, weight.parts.data_ptr(), weight.parts.shape[0])
             return Lin(weight.data.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
                        weight.in_features, QUANT_FORMATS[weight.fmt])
         k = weight.numel() // ((out_features + PANEL - 1) // PANEL * PANEL)

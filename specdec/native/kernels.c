@@ -634,7 +634,9 @@ typedef struct {
     const void *w;     /* panels (sd_pack_linear) or packed blocks (sd_pack_quant) */
     const float *bias; /* or NULL */
     int64_t n, k;
-    int64_t fmt; /* -1: fp32 panels, else the quantised format */
+    int64_t fmt; /* -1: fp32 panels, -2: parts of several formats (parts), else the quantised format */
+    const int64_t *parts; /* fmt -2: sd_linear_quant_parts' table of nparts parts */
+    int64_t nparts;
 } sd_lin;
 
 typedef struct {
@@ -645,7 +647,10 @@ typedef struct {
 } sd_layer;
 
 static void run_linear(const sd_lin *l, const float *x, int64_t m, int act, float *y, uint8_t *qscratch) {
-    if (l->fmt < 0) sd_linear(x, m, l->k, (const float *)l->w, l->n, l->bias, NULL, act, y);
+    if (l->fmt == -1) sd_linear(x, m, l->k, (const float *)l->w, l->n, l->bias, NULL, act, y);
+    else if (l->fmt == -2)
+        sd_linear_quant_parts(x, m, l->k, (const uint8_t *)l->w, l->parts, l->nparts, l->n, l->bias, NULL, act, y,
+                              qscratch);
     else sd_linear_quant(x, m, l->k, (const uint8_t *)l->w, (int)l->fmt, l->n, l->bias, NULL, act, y, qscratch);
 }
 

@@ -232,19 +232,25 @@ int64_t sd_quant_block(int fmt, int64_t *bytes) {
 const char *sd_quant_name(int fmt) { return fmt >= 0 && fmt < SD_QFORMATS ? FORMATS[fmt]->name : NULL; }
 
 /* Bytes of a packed [n, k] weight of format fmt (k a multiple of the format's block), -1 when
- * the format or the shape is invalid. */
-int64_t sd_quant_bytes(int64_t n, int64_t k, int fmt) {
+ * the format or the shape is invalid. `generic`: in the layout of the AVX2 and portable kernels
+ * whatever this CPU has (a part of a weight of several formats, sd_linear_quant_parts). */
+int64_t sd_quant_bytes_as(int64_t n, int64_t k, int fmt, int generic) {
     if (fmt < 0 || fmt >= SD_QFORMATS || n <= 0 || k <= 0 || k % FORMATS[fmt]->unit) return -1;
-    if (fmt_isa(fmt) == ISA_VNNI) return vnni_bytes(n, k, fmt);
+    if (!generic && fmt_isa(fmt) == ISA_VNNI) return vnni_bytes(n, k, fmt);
     return (n + PANEL - 1) / PANEL * (k / FORMATS[fmt]->unit) * FORMATS[fmt]->unit_bytes;
 }
 
-/* Pack w, a GGUF tensor's blocks [n][k / unit blocks] as llama.cpp stores them, for the kernel
- * that computes fmt here, into out (sd_quant_bytes(n, k, fmt) bytes). */
-void sd_pack_quant(const uint8_t *w, int64_t n, int64_t k, int fmt, uint8_t *out) {
-    if (fmt_isa(fmt) == ISA_VNNI) vnni_pack(w, n, k, fmt, out);
+int64_t sd_quant_bytes(int64_t n, int64_t k, int fmt) { return sd_quant_bytes_as(n, k, fmt, 0); }
+
+/* Pack w, a GGUF tensor's blocks [n][k / unit blocks] as llama.cpp stores them, into out
+ * (sd_quant_bytes_as(n, k, fmt, generic) bytes): for the kernel that computes fmt here, or
+ * (`generic`) for the AVX2 and portable kernels. */
+void sd_pack_quant_as(const uint8_t *w, int64_t n, int64_t k, int fmt, int generic, uint8_t *out) {
+    if (!generic && fmt_isa(fmt) == ISA_VNNI) vnni_pack(w, n, k, fmt, out);
     else FORMATS[fmt]->pack(w, n, k, out);
 }
+
+void sd_pack_quant(const uint8_t *w, int64_t n, int64_t k, int fmt, uint8_t *out) { sd_pack_quant_as(w, n, k, fmt, 0, out); }
 
 /* x's rows quantised per block of 32 into scratch (m * (k + 20 * k / 32) bytes). */
 static void quantise_rows(const float *x, int64_t m, int64_t k, uint8_t *scratch, sd_qargs *a) {
@@ -282,16 +288,22 @@ static void quantise_rows(const float *x, int64_t m, int64_t k, uint8_t *scratch
     a->xqs = xqs;
 }
 
+static sd_qpanels_fn generic_kernel(int fmt) {
+#if defined(SD_HAVE_AVX2)
+    if (fmt_isa(fmt) != ISA_BASE) return FORMATS[fmt]->avx2;
+#endif
+    return FORMATS[fmt]->base;
+}
+
 /* y[m, n] = act(x @ W^T + bias) + residual on W packed by sd_pack_quant. scratch: m * (k + 20 * k
  * / 32) bytes for x's quants, scales and sums. */
 void sd_linear_quant(const float *x, int64_t m, int64_t k, const uint8_t *w, int fmt, int64_t n, const float *bias,
                      const float *residual, int act, float *y, uint8_t *scratch) {
-    int isa = fmt_isa(fmt);
-    sd_qpanels_fn run = FORMATS[fmt]->base;
-#if defined(SD_HAVE_AVX2)
-    if (isa == ISA_VNNI) run = qlinear_panels_vnni;
-    else if (isa == ISA_AVX2) run = FORMATS[fmt]->avx2;
-#endif
+    if (fmt_isa(fmt) != ISA_VNNI) {
+        int64_t part[3] = {fmt, n, 0};
+        sd_linear_quant_parts(x, m, k, w, part, 1, n, bias, residual, act, y, scratch);
+        return;
+    }
     sd_qargs a = {0};
     quantise_rows(x, m, k, scratch, &a);
     a.w = w;
@@ -304,10 +316,49 @@ void sd_linear_quant(const float *x, int64_t m, int64_t k, const uint8_t *w, int
     a.act = act;
     a.fmt = fmt;
     int64_t np = (n + PANEL - 1) / PANEL;
-    int64_t step = isa == ISA_VNNI ? QPANELS : 1;
 #pragma omp parallel if (m * n * k >= (1 << 15))
     {
         int64_t p0, p1;
-        if (thread_panels(np, step, &p0, &p1)) run(&a, p0, p1);
+#if defined(SD_HAVE_AVX2)
+        if (thread_panels(np, QPANELS, &p0, &p1)) qlinear_panels_vnni(&a, p0, p1);
+#endif
+    }
+}
+
+/* The same on a weight of several formats stacked along n (a fused q/k/v or gate/up whose members
+ * a GGUF file stores in different types), each part in the generic layout (sd_pack_quant_as):
+ * parts[3i .. 3i + 2] = part i's format, rows (a multiple of 16 but for the last) and byte
+ * offset into w. x is quantised once; the threads split the panels of all parts. */
+void sd_linear_quant_parts(const float *x, int64_t m, int64_t k, const uint8_t *w, const int64_t *parts,
+                           int64_t nparts, int64_t n, const float *bias, const float *residual, int act, float *y,
+                           uint8_t *scratch) {
+    sd_qargs a = {0};
+    quantise_rows(x, m, k, scratch, &a);
+    a.bias = bias;
+    a.residual = residual;
+    a.y = y;
+    a.m = m;
+    a.k = k;
+    a.n = n;
+    a.act = act;
+    int64_t np = (n + PANEL - 1) / PANEL;
+#pragma omp parallel if (m * n * k >= (1 << 15))
+    {
+        int64_t p0, p1;
+        if (thread_panels(np, 1, &p0, &p1)) {
+            int64_t first = 0;
+            for (int64_t i = 0; i < nparts; i++) {
+                int64_t count = (parts[3 * i + 1] + PANEL - 1) / PANEL, lo = p0 > first ? p0 : first,
+                        hi = p1 < first + count ? p1 : first + count;
+                if (lo < hi) {
+                    sd_qargs own = a;
+                    own.fmt = (int)parts[3 * i];
+                    own.w = w + parts[3 * i + 2];
+                    own.p_base = first;
+                    generic_kernel(own.fmt)(&own, lo, hi);
+                }
+                first += count;
+            }
+        }
     }
 }

@@ -64,6 +64,7 @@ typedef struct {
     float *y;
     int64_t m, k, n;
     int act, fmt;
+    int64_t p_base; /* the panel w starts at (a part of a weight of several formats: sd_linear_quant_parts) */
 } sd_qargs;
 
 typedef void (*sd_qpanels_fn)(const sd_qargs *, int64_t, int64_t);
@@ -82,6 +83,9 @@ extern const sd_qformat sd_q4_0, sd_q4_1, sd_q5_0, sd_q5_1, sd_q8_0, sd_q4_k, sd
 
 void sd_linear_quant(const float *x, int64_t m, int64_t k, const uint8_t *w, int fmt, int64_t n, const float *bias,
                      const float *residual, int act, float *y, uint8_t *scratch);
+void sd_linear_quant_parts(const float *x, int64_t m, int64_t k, const uint8_t *w, const int64_t *parts,
+                           int64_t nparts, int64_t n, const float *bias, const float *residual, int act, float *y,
+                           uint8_t *scratch);
 
 INLINE float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -211,7 +215,7 @@ INLINE void qpanels_base(const sd_qargs *a, int64_t p0, int64_t p1, const int bi
                          const int64_t head, const int fam, const int z) {
     const int64_t k = a->k, nb = k / QBLOCK, spu = unit / QBLOCK, sub = SUB_BYTES(bits), ub = head + spu * sub;
     for (int64_t p = p0; p < p1; p++) {
-        const uint8_t *pw = a->w + p * (k / unit) * ub;
+        const uint8_t *pw = a->w + (p - a->p_base) * (k / unit) * ub;
         for (int64_t r = 0; r < a->m; r++) {
             v16 acc = splat(0.0f);
             for (int64_t b = 0; b < nb; b++) {
@@ -311,7 +315,7 @@ SD_AVX2 INLINE void qpanels_avx2(const sd_qargs *a, int64_t p0, int64_t p1, cons
     const int group = bits == 8 ? 1 : bits == 6 ? 2 : 4;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t p = p0; p < p1; p++) {
-        const uint8_t *pw = a->w + p * (k / unit) * ub;
+        const uint8_t *pw = a->w + (p - a->p_base) * (k / unit) * ub;
         for (int64_t m0 = 0; m0 < a->m; m0 += QCHUNK) {
             const int64_t rows = a->m - m0 < QCHUNK ? a->m - m0 : QCHUNK;
             v16 acc[QCHUNK];

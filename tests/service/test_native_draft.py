@@ -24,7 +24,7 @@ from specdec.native import kernels
 from specdec.sessions import SessionStore
 from tests.support import ROOT, make_bpe_model
 
-VNNI = (k := kernels()) is not None and k.quant_isa == "vnni"
+VNNI = (k := kernels()) is not None and k.quant_isa("Q4_1") == "avx512-vnni"
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was", "1, 2, 3, 4,",
          "Speculative decoding lets a small model", "The weather today"]
 

@@ -201,7 +201,7 @@ def test_health_ready_metrics(embedded_stack):
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     ready = httpx.get(url + "/ready").json()
     native = kernels()  # the default draft backend, auto, runs native where VNNI is, else llama.cpp
-    draft = "native" if native is not None and native.quant_isa == "vnni" else "llamacpp"
+    draft = "native" if native is not None and native.quant_isa("Q4_1") == "avx512-vnni" else "llamacpp"
     assert ready["ready"] and ready["draft"]["backend"] == draft and ready["target"]["backend"] == "transformers"
     text = httpx.get(url + "/metrics").text
     for name in ("specdec_drafts_total", "specdec_draft_tokens_total", "specdec_accepted_tokens_total",

@@ -401,7 +401,7 @@ w = np.random.default_rng(3).standard_normal((72, 128)).astype(np.float32)
 x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4))
 ys = [k.linear(x, k.pack_quant(quantize(w, GGMLQuantizationType[f]), f, 72, 128), 72) for f in ("Q4_1", "Q8_0")]
 torch.save(ys, sys.argv[1])
-print(k.quant_isa)
+print(k.quant_isa("Q4_1"))
 """
 
 
