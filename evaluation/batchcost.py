@@ -46,6 +46,14 @@ VARIANTS = ("runner", "runner-ops", *KERNELS)
 ON_RUNNER = ("runner", "runner-against")  # variants on the natively packed copy of the model
 # transformers.GPT2Config overrides of the random models --target random:NAME builds
 RANDOM_CONFIGS: dict[str, dict[str, Any]] = {"gpt2": {}, "distilgpt2": {"n_layer": 6}}
+# transformers.LlamaConfig of the random Llama models: SmolLM2-1.7B-Instruct's real configuration
+# (it shares the embedded draft's tokenizer), the size CPU users serve
+RANDOM_LLAMA_CONFIGS: dict[str, dict[str, Any]] = {
+    "smollm2-1.7b": {"vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
+                     "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 8192,
+                     "rms_norm_eps": 1e-5, "rope_theta": 130000.0, "tie_word_embeddings": True,
+                     "bos_token_id": 1, "eos_token_id": 2},
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,8 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=200, help="cached tokens per session (default 200)")
     p.add_argument("--repeats", type=int, default=7, help="steps measured per point (default 7)")
     p.add_argument("--target", default="embedded",
-                   help="target model (default the embedded one); random:gpt2 or random:distilgpt2 for the real "
-                        "configuration with random weights")
+                   help="target model (default the embedded one): an id, folder or .gguf file; random:gpt2, "
+                        "random:distilgpt2 or random:smollm2-1.7b for the real configuration with random weights")
+    p.add_argument("--target-quant", default=None,
+                   help="the target converted to this GGUF type (q8_0, q4_k_m ...: llama.cpp's converter and quantiser, "
+                        "cached) and computed in it, as SPECDEC_TARGET_QUANT does")
     p.add_argument("--draft", default="embedded", help="draft GGUF for llama.cpp (default the embedded one); none skips it")
     p.add_argument("--kernels", nargs="+", choices=VARIANTS, default=["runner"],
                    help="how target passes run, compared interleaved: runner (the service's default: specdec's own "
@@ -95,9 +106,25 @@ def random_model(name: str, cache_dir: Path) -> str:
 
     from specdec.models import load_tokenizer
 
-    if name not in RANDOM_CONFIGS:
-        raise SystemExit(f"unknown random model {name!r}; choose from {', '.join(RANDOM_CONFIGS)}")
+    if name not in RANDOM_CONFIGS and name not in RANDOM_LLAMA_CONFIGS:
+        raise SystemExit(f"unknown random model {name!r}; choose from {', '.join([*RANDOM_CONFIGS, *RANDOM_LLAMA_CONFIGS])}")
     folder = cache_dir / "random-models" / f"{name}-bpe"
+    if name in RANDOM_LLAMA_CONFIGS and not (folder / "config.json").exists():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(**RANDOM_LLAMA_CONFIGS[name])
+        logger.info("building %s with random weights (%d layers, hidden %d) in %s", name, config.num_hidden_layers,
+                    config.hidden_size, folder)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():  # the initialiser's std 0.02 everywhere: logits of a trained model's scale
+            for param in model.parameters():
+                if param.dim() == 2:
+                    param.normal_(0.0, 0.02)
+        tmp = folder.with_name(folder.name + ".tmp")
+        model.save_pretrained(tmp)
+        load_tokenizer("embedded").save_pretrained(tmp)
+        tmp.rename(folder)
     if not (folder / "config.json").exists():
         torch.manual_seed(0)
         config = GPT2Config(**RANDOM_CONFIGS[name])  # vocab 50257: the tokenizer's 49152 ids, padded by the converter
@@ -121,14 +148,21 @@ def resolve_target(target: str) -> str:
 def target_costs(args: argparse.Namespace) -> tuple[dict[tuple[str, int, int], float],
                                                    dict[tuple[str, int, int], list[float]]]:
     from specdec.engine import fast_linears
-    from specdec.models import load_hf
+    from specdec.models import LoadedModel, load_hf
     from specdec.sessions import SessionStore
     from specdec.settings import default_cache_dir
-    from target_service.engine import TargetEngine
+    from target_service.engine import GGUFModel, TargetEngine, target_gguf
 
     target = resolve_target(args.target)
+    path = target_gguf(target, args.target_quant, default_cache_dir())
+    if path is not None and any(k not in ON_RUNNER for k in args.kernels):
+        raise SystemExit("a GGUF target runs on specdec's runner only (--kernels runner)")
 
     def engine_for(native: bool) -> TargetEngine:
+        if path is not None:
+            gguf = GGUFModel.load(path)
+            loaded = LoadedModel(gguf.model, None, str(path), str(path), gguf.load_s)
+            return TargetEngine(loaded, SessionStore(512, 8 << 30, 0), max_draft_tokens=32, gguf=gguf)
         loaded = load_hf(target, "float32", "cpu", default_cache_dir())
         # the row-major weights stay only when other kernels are compared (the service frees them)
         fast_linears(loaded.model, keep_row_major=any(k in ("onednn", "mkl") for k in args.kernels), native=native)

@@ -5,12 +5,19 @@ What runs, one request at a time, interleaved per prompt (the order of the four 
 one prompt to the next, so slow drift of the machine hits every mode alike):
 
   llama-plain         llama-server on the target (the embedded SmolLM2-135M-Instruct, converted
-                      to GGUF F32 by llama.cpp's own converter), no draft
+                      to GGUF by llama.cpp's own converter and quantiser), no draft
   llama-spec          llama-server on the same target with the embedded Q4_1 GGUF as its draft
                       (``--spec-type draft-simple``, up to ``--draft-max`` draft tokens)
   sd-autoregressive   specdec's stack (target_service, draft_service, orchestrator with their
                       default settings) with ``mode: autoregressive``
   sd-speculative      the same stack in its default speculative mode
+
+``--target-quant`` names the target's GGUF types, measured one after another, each with its own
+servers (only one type's processes run at a time). ``f32`` (the default) is the F32 conversion in
+llama-server against specdec's fp32 safetensors target; any other type T is one file, the target
+converted to T, that both engines compute: llama-server loads it, specdec's target service gets
+``SPECDEC_TARGET_QUANT=T`` (the same conversion, from the same cache) and runs it on its native
+kernels. ``--target-quant f32,q8_0,q4_k_m`` gives one table per type and one over all of them.
 
 llama-server and llama-bench are built once from the llama.cpp vendored in the llama-cpp-python
 sdist specdec's draft runs on, with the same GGML flags (``scripts/build_llama_server.sh``), and
@@ -20,8 +27,10 @@ made of it, which must match), decode greedily exactly ``--max-tokens`` tokens p
 their ids, which are compared token for token with llama-server plain's and specdec
 autoregressive's. Speed is measured on the client:
 tokens/s of a mode = all its generated tokens / all its HTTP wall time; per-prompt ratios pair runs
-of the same prompt and repeat. ``llama-bench`` adds llama.cpp's own plain step and 16-row eval
-times of the target. ``results.json`` and ``report.md`` land in ``--out``
+of the same prompt and repeat; specdec speculative is also set against the faster of the two
+llama-server modes. ``llama-bench`` adds llama.cpp's own plain step and 1-, 5-, 9- and 17-row eval
+times (a verification of k = 0, 4, 8, 16 draft tokens) of each target type. ``results.json`` and
+``report.md`` land in ``--out``
 (default evaluation/results/peer-<timestamp>/).
 """
 
@@ -38,6 +47,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -48,6 +58,7 @@ from evaluation.client import first_difference, write_results
 from evaluation.procs import ROOT, Service, Stack, free_port, wait_ready
 from evaluation.prompts import CATEGORIES, SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import paired_speedup, spread, tokens_per_second
+from specdec.gguf_convert import QUANTS
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +72,9 @@ PAIRS = (("sd-autoregressive", "llama-plain"), ("sd-speculative", "llama-spec"))
 # (speculative, plain) of each engine
 OWN_SPEEDUPS = (("llama-spec", "llama-plain"), ("sd-speculative", "sd-autoregressive"))
 REFERENCES = ("llama-plain", "sd-autoregressive")
+LLAMA_MODES = ("llama-plain", "llama-spec")
+BEST = "sd-speculative/llama-best"  # the ratios' key of specdec speculative against the faster llama-server mode
+FP32 = "f32"  # the target type measured as before quantised targets: specdec's own fp32 weights
 BUILD_SCRIPT = ROOT / "scripts" / "build_llama_server.sh"
 WARMUP_TOKENS = 8
 
@@ -89,6 +103,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-p-min", type=float, default=None,
                    help="llama-server --spec-draft-p-min: stop a draft below this draft probability "
                         "(default: the server's own default)")
+    p.add_argument("--target-quant", type=quant_list, default=[FP32], metavar="TYPES",
+                   help="comma-separated GGUF types of the target, measured one after another "
+                        f"({', '.join(QUANTS)}); f32: llama-server on the F32 conversion against specdec's fp32 "
+                        "target; any other: both engines on the target converted to that type (default f32)")
     p.add_argument("--kv-type", choices=["f32", "f16"], default="f32",
                    help="KV cache type of llama-server's target and of llama-bench (default f32, the precision of "
                         "specdec's target; the draft keeps llama.cpp's default, as in specdec's draft service)")
@@ -111,6 +129,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--draft-p-min must lie in [0, 1]")
     args.max_tokens = sorted(set(args.max_tokens))
     return args
+
+
+def quant_list(value: str) -> list[str]:
+    """``--target-quant``'s value: GGUF types, comma-separated, each once, in the order given."""
+    quants = [q.strip().lower() for q in value.split(",") if q.strip()]
+    unknown = [q for q in quants if q not in QUANTS]
+    if unknown or not quants:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: give GGUF types out of {', '.join(QUANTS)}")
+    return list(dict.fromkeys(quants))
+
+
+def target_env(quant: str) -> dict[str, str]:
+    """The environment of specdec's target service for one target type: at f32 its default fp32
+    weights, exactly as before quantised targets; otherwise the embedded model converted to
+    ``quant`` (the file llama-server gets: ensure_gguf, same source, same cache)."""
+    env = {"SPECDEC_TARGET_MODEL": "embedded"}
+    return env if quant == FP32 else {**env, "SPECDEC_TARGET_QUANT": quant}
+
+
+def target_problem(quant: str, info: dict[str, Any]) -> str | None:
+    """Why specdec's target (its Info as the orchestrator's /v1/info shows it) does not compute
+    ``quant``, or None. GGUF types specdec has no name for report "gguf"."""
+    if quant == FP32:
+        return None
+    dtype, backend = str(info.get("dtype", "")), info.get("backend")
+    if backend != "native" or dtype.upper() not in (quant.upper(), "GGUF"):
+        return (f"specdec's target computes {dtype or '?'} on {backend or '?'}, not the GGUF {quant.upper()} file on "
+                "its native kernels")
+    return None
 
 
 def llama_server_command(binary: Path | str, target: Path | str, port: int, threads: int, ctx_size: int = 4096,
@@ -141,30 +188,42 @@ def completion_body(prompt_ids: Sequence[int], max_tokens: int) -> dict[str, Any
             "ignore_eos": True, "cache_prompt": False, "return_tokens": True, "stream": False}
 
 
+# k + 1 rows: the verification of a draft of k = 0, 4, 8 and 16 tokens (16: --draft-max's default)
+VERIFY_ROWS = (1, 5, 9, 17)
 LLAMA_BENCH_RUNS = (
-    # name, model, prompt tokens, generated tokens
-    ("target plain step", "target", 0, 64),
-    ("target 16-row eval", "target", 16, 0),
-    ("draft plain step", "draft", 0, 64),
+    # name, model, prompt tokens (one eval of each count), generated tokens
+    ("target plain step", "target", (0,), 64),
+    ("target eval", "target", VERIFY_ROWS, 0),
+    ("draft plain step", "draft", (0,), 64),
 )
 
 
-def llama_bench_command(binary: Path | str, model: Path | str, threads: int, n_prompt: int, n_gen: int,
+def llama_bench_command(binary: Path | str, model: Path | str, threads: int, n_prompt: int | Sequence[int], n_gen: int,
                         kv_type: str | None = None) -> list[str]:
-    """llama-bench's command line; ``kv_type`` None keeps its default (f16)."""
-    cmd = [str(binary), "-m", str(model), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen)]
+    """llama-bench's command line (several prompt lengths: one test each); ``kv_type`` None keeps
+    its default (f16)."""
+    counts = [n_prompt] if isinstance(n_prompt, int) else list(n_prompt)
+    cmd = [str(binary), "-m", str(model), "-t", str(threads), "-p", ",".join(map(str, counts)), "-n", str(n_gen)]
     if kv_type is not None:
         cmd += ["-ctk", kv_type, "-ctv", kv_type]
     return cmd + ["-o", "json"]
 
 
 def parse_llama_bench(stdout: str) -> dict[str, Any]:
-    """One llama-bench JSON result -> tokens/s and ms per eval (the whole batch: one step for
+    """The first llama-bench JSON result -> tokens/s and ms per eval (the whole batch: one step for
     ``-n``, all ``-p`` rows at once for ``-p``)."""
+    return parse_llama_bench_rows(stdout)[0]
+
+
+def parse_llama_bench_rows(stdout: str) -> list[dict[str, Any]]:
+    """Every llama-bench JSON result (one per test), as :func:`parse_llama_bench` reads one."""
     rows = json.loads(stdout)
     if not rows:
         raise ValueError("llama-bench printed no results")
-    r = rows[0]
+    return [_bench_row(r) for r in rows]
+
+
+def _bench_row(r: dict[str, Any]) -> dict[str, Any]:
     n = r.get("n_gen") or r.get("n_prompt") or 0
     tps = float(r["avg_ts"])
     per_eval = 1e3 / tps if r.get("n_gen") else 1e3 * n / tps
@@ -275,10 +334,18 @@ def llama_version(binary: Path) -> str:
     return " ".join((r.stdout + r.stderr).split())
 
 
-def run_llama_bench(llama_dir: Path, target: Path, draft: Path, threads: int, kv_type: str,
-                    log_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for name, which, n_prompt, n_gen in LLAMA_BENCH_RUNS:
+def bench_name(name: str, row: dict[str, Any]) -> str:
+    """A llama-bench row's name: "target eval" becomes "target 17-row eval" after its row count."""
+    return name.replace(" eval", f" {row['n_prompt']}-row eval") if row.get("n_prompt") else name
+
+
+def run_llama_bench(llama_dir: Path, target: Path, draft: Path, threads: int, kv_type: str, log_dir: Path,
+                    quant: str = FP32, models: Sequence[str] = ("target", "draft")) -> list[dict[str, Any]]:
+    """llama-bench's runs of ``models`` (the target at ``quant``, the draft), one row per test."""
+    out: list[dict[str, Any]] = []
+    for i, (name, which, n_prompt, n_gen) in enumerate(LLAMA_BENCH_RUNS):
+        if which not in models:
+            continue
         model = target if which == "target" else draft
         # The draft's KV stays at llama.cpp's default, as in llama-server and specdec's draft
         # service. llama-bench has no f32 KV cache at all; from an empty context, as here, the KV
@@ -286,13 +353,13 @@ def run_llama_bench(llama_dir: Path, target: Path, draft: Path, threads: int, kv
         kv = kv_type if which == "target" and kv_type != "f32" else None
         cmd = llama_bench_command(llama_dir / "bin" / "llama-bench", model, threads, n_prompt, n_gen, kv)
         logger.info("llama-bench: %s (%s)", name, shlex.join(cmd[1:]))
-        stdout = run_step(cmd, f"llama-bench ({name})", log_dir / f"llama-bench-{len(out)}.log", timeout_s=900,
-                          capture=True)
+        stdout = run_step(cmd, f"llama-bench ({name})", log_dir / f"llama-bench-{i}.log", timeout_s=900, capture=True)
         try:
-            row = parse_llama_bench(stdout)
+            rows = parse_llama_bench_rows(stdout)
         except (ValueError, KeyError, TypeError) as exc:
             raise PeerError(f"llama-bench ({name}): unreadable output ({exc}): {stdout[:300]!r}") from exc
-        out.append({"name": name, "model": which, "command": shlex.join(cmd), **row})
+        out += [{"name": bench_name(name, row), "model": which, **({"target_quant": quant} if which == "target" else {}),
+                 "command": shlex.join(cmd), **row} for row in rows]
     return out
 
 
@@ -415,8 +482,31 @@ def summarise(runs: list[dict[str, Any]], lengths: Sequence[int]) -> dict[str, d
             if a in modes and b in modes and modes[b]["tokens_per_second"]:
                 ratios[f"{a}/{b}"] = {"total": modes[a]["tokens_per_second"] / modes[b]["tokens_per_second"],
                                       "per_prompt": paired_speedup(at, a, b)}
+        best = best_speedup(at, modes)
+        if best is not None:
+            ratios[BEST] = best
         out[str(n)] = {"max_tokens": n, "modes": modes, "ratios": ratios}
     return out
+
+
+def best_speedup(runs: list[dict[str, Any]], modes: dict[str, dict[str, Any]], mode: str = "sd-speculative",
+                 peers: Sequence[str] = LLAMA_MODES) -> dict[str, Any] | None:
+    """``mode`` against the faster of ``peers``: in total against the peer with the higher total
+    tokens/s (named in ``peer``), per prompt against the faster peer on that prompt and repeat;
+    None without ``mode`` or any peer."""
+    measured = [m for m in peers if m in modes and modes[m]["tokens_per_second"]]
+    if not measured or not modes.get(mode, {}).get("tokens_per_second"):
+        return None
+    peer = max(measured, key=lambda m: modes[m]["tokens_per_second"])
+    fastest: dict[tuple[str, int], float] = {}
+    for r in runs:
+        if r["mode"] in measured:
+            key = (r["prompt_id"], r["repeat"])
+            fastest[key] = max(fastest.get(key, 0.0), tokens_per_second(r))
+    per_prompt = [tokens_per_second(r) / fastest[(r["prompt_id"], r["repeat"])]
+                  for r in runs if r["mode"] == mode and fastest.get((r["prompt_id"], r["repeat"]), 0) > 0]
+    return {"total": modes[mode]["tokens_per_second"] / modes[peer]["tokens_per_second"], "peer": peer,
+            "per_prompt": spread(per_prompt) if per_prompt else None}
 
 
 def _tps(s: dict[str, Any] | None) -> str:
@@ -446,11 +536,12 @@ def headline_table(length_summary: dict[str, Any]) -> str:
     own = {a: _ratio(ratios.get(f"{a}/{b}")) for a, b in OWN_SPEEDUPS}
     rows: list[dict[str, Any]] = [
         {"measure": "tok/s (all tokens / all HTTP wall time)", **{m: _tps(s) for m, s in modes.items()},
-         "plain": _ratio(ratios.get("sd-autoregressive/llama-plain")), "spec": _ratio(ratios.get("sd-speculative/llama-spec"))},
+         "plain": _ratio(ratios.get("sd-autoregressive/llama-plain")), "spec": _ratio(ratios.get("sd-speculative/llama-spec")),
+         "best": _ratio(ratios.get(BEST))},
         {"measure": "tok/s per prompt, median (p10–p90)",
          **{m: _spread(s["per_prompt_tokens_per_second"]) for m, s in modes.items()},
          "plain": _ratio(ratios.get("sd-autoregressive/llama-plain"), True),
-         "spec": _ratio(ratios.get("sd-speculative/llama-spec"), True)},
+         "spec": _ratio(ratios.get("sd-speculative/llama-spec"), True), "best": _ratio(ratios.get(BEST), True)},
         {"measure": "ms per token (HTTP wall)", **{m: report.fmt(s["ms_per_token"]) for m, s in modes.items()}},
         {"measure": "speculative over the same engine's plain", **own},
         {"measure": "draft acceptance", **{m: report.fmt(report.pct(s["acceptance_rate"]), 0, "%")
@@ -461,7 +552,41 @@ def headline_table(length_summary: dict[str, Any]) -> str:
     columns: list[tuple[str, report.Cell]] = [("", lambda r: r["measure"])]
     columns += [(LABELS[m], lambda r, m=m: r.get(m, "–")) for m in MODES]
     columns += [("specdec AR / llama-server plain", lambda r: r.get("plain", "–")),
-                ("specdec spec / llama-server spec", lambda r: r.get("spec", "–"))]
+                ("specdec spec / llama-server spec", lambda r: r.get("spec", "–")),
+                ("specdec spec / faster llama-server", lambda r: r.get("best", "–"))]
+    return report.markdown_table(rows, columns)
+
+
+def _differ(s: dict[str, Any] | None, ref: str) -> str:
+    if not s or f"compared_with_{ref}" not in s:
+        return "–"
+    return f"{s[f'differ_from_{ref}']}/{s[f'compared_with_{ref}']}"
+
+
+def overview_table(blocks: dict[str, dict[str, Any]]) -> str:
+    """One row per (target type, length): the four modes' tok/s, specdec speculative against the
+    faster llama-server mode, and which outputs differ token for token."""
+    rows = []
+    for quant, block in blocks.items():
+        for key, s in block["summary"].items():
+            modes, ratios = s["modes"], s["ratios"]
+            best = ratios.get(BEST)
+            rows.append({"quant": quant.upper(), "tokens": key, **{m: _tps(modes.get(m)) for m in MODES},
+                         "best": _ratio(best), "best_per_prompt": _ratio(best, True),
+                         "peer": LABELS[best["peer"]].removeprefix("llama-server ") if best else "–",
+                         "plain": _ratio(ratios.get("sd-autoregressive/llama-plain")),
+                         "ar_vs_llama": _differ(modes.get("sd-autoregressive"), "llama-plain"),
+                         "spec_vs_ar": _differ(modes.get("sd-speculative"), "sd-autoregressive"),
+                         "llama_spec_vs_plain": _differ(modes.get("llama-spec"), "llama-plain")})
+    columns: list[tuple[str, report.Cell]] = [("target", lambda r: r["quant"]), ("new tokens", lambda r: r["tokens"])]
+    columns += [(f"{LABELS[m]} tok/s", lambda r, m=m: r[m]) for m in MODES]
+    columns += [("specdec spec / faster llama-server", lambda r: r["best"]),
+                ("per prompt, median (p10–p90)", lambda r: r["best_per_prompt"]),
+                ("faster llama-server", lambda r: r["peer"]),
+                ("specdec AR / llama-server plain", lambda r: r["plain"]),
+                ("specdec AR ≠ llama-server plain", lambda r: r["ar_vs_llama"]),
+                ("specdec spec ≠ specdec AR", lambda r: r["spec_vs_ar"]),
+                ("llama-server spec ≠ plain", lambda r: r["llama_spec_vs_plain"])]
     return report.markdown_table(rows, columns)
 
 
@@ -512,35 +637,72 @@ def per_prompt_table(runs: list[dict[str, Any]], length: int) -> str:
     return report.markdown_table(rows, columns)
 
 
+def _bench_model(r: dict[str, Any]) -> str:
+    return f"target {r.get('target_quant', FP32).upper()}" if r.get("model", "target") == "target" else "draft Q4_1"
+
+
 def llama_bench_table(rows: Sequence[dict[str, Any]]) -> str:
     columns: list[tuple[str, report.Cell]] = [
-        ("llama-bench", lambda r: r["name"]), ("rows per eval", lambda r: str(r["n_prompt"] or 1)),
+        ("llama-bench", lambda r: r["name"]), ("model", _bench_model), ("rows per eval", lambda r: str(r["n_prompt"] or 1)),
         ("tokens/s", lambda r: report.fmt(r["tokens_per_second"])), ("ms per eval", lambda r: report.fmt(r["ms_per_eval"], 2)),
         ("threads", lambda r: report.fmt(r.get("threads"))), ("KV type", lambda r: str(r.get("type_k") or "–")),
     ]
     return report.markdown_table(rows, columns)
 
 
+def quant_blocks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per target type: its file, commands, services, summary and mismatches. A results.json from
+    before ``--target-quant`` holds one F32 type at its top level."""
+    if "by_quant" in results:
+        return results["by_quant"]
+    setup = results["setup"]
+    return {FP32: {"target_gguf": setup["target_gguf"], "llama_plain_command": setup["llama_plain_command"],
+                   "llama_spec_command": setup["llama_spec_command"], "services": results.get("services") or {},
+                   "summary": results["summary"], "mismatches": results["mismatches"]}}
+
+
+def runs_of(runs: Sequence[dict[str, Any]], quant: str) -> list[dict[str, Any]]:
+    """The runs of one target type (runs from before ``--target-quant`` are F32)."""
+    return [r for r in runs if r.get("target_quant", FP32) == quant]
+
+
 def render_tables(results: dict[str, Any]) -> str:
-    """The per-length tables with their mismatch notes (what the command prints at the end)."""
-    out = []
+    """The overview over the target types, then each type's per-length tables with their mismatch
+    notes (what the command prints at the end)."""
+    blocks = quant_blocks(results)
+    out = ["### Every target type", "", overview_table(blocks), ""] if "by_quant" in results else []
     prompt_count = len(results["prompts"]) * results["repeats"]
-    for key, s in results["summary"].items():
-        out += [f"### {key} new tokens", "", headline_table(s), "",
-                *mismatch_lines(results["mismatches"], s["max_tokens"], prompt_count), ""]
+    for quant, block in blocks.items():
+        suffix = f", target {quant.upper()}" if "by_quant" in results else ""
+        for key, s in block["summary"].items():
+            out += [f"### {key} new tokens{suffix}", "", headline_table(s), "",
+                    *mismatch_lines(block["mismatches"], s["max_tokens"], prompt_count), ""]
     return "\n".join(out)
+
+
+def target_line(quant: str, block: dict[str, Any], source: str) -> str:
+    """What each engine computes of the target at ``quant``."""
+    name = Path(block["target_gguf"]).name
+    info = (block.get("services") or {}).get("specdec", {}).get("target") or {}
+    reported = f" (its Info: dtype {info['dtype']}, backend {info.get('backend', '?')})" if info.get("dtype") else ""
+    if quant == FP32:
+        return (f"Target F32: specdec: `{source}` as safetensors, fp32{reported}; llama-server: the same weights as GGUF "
+                f"F32 `{name}` by llama.cpp's converter.")
+    env = " ".join(f"{k}={v}" for k, v in (block.get("specdec_target_env") or target_env(quant)).items())
+    return (f"Target {quant.upper()}: one file, `{name}` (llama.cpp's converter and quantiser), in both: llama-server "
+            f"loads it; specdec's target service (`{env}`) runs it{reported}.")
 
 
 def render_markdown(results: dict[str, Any]) -> str:
     m, llama = results["machine"], results["llama_cpp"]
     setup = results["setup"]
+    blocks = quant_blocks(results)
     bench = results.get("llama_bench") or []
     lines = [
         f"# specdec against llama-server {results['started']}", "",
         f"Command: `{results['command']}`", "",
-        f"Target: `{setup['target_source']}` (specdec: safetensors, fp32, transformers; llama-server: the same weights as "
-        f"GGUF F32 `{Path(setup['target_gguf']).name}` by llama.cpp's converter). Draft: the embedded Q4_1 GGUF "
-        f"`{Path(setup['draft_gguf']).name}` in both.", "",
+        f"Target: `{setup['target_source']}` at {', '.join(q.upper() for q in blocks)}, one type after another, each "
+        f"with its own servers. Draft: the embedded Q4_1 GGUF `{Path(setup['draft_gguf']).name}` in both.", "",
         f"Prompts: {len(results['prompts'])} of suite v{results['suite']['version']} ({results['suite']['digest']}), "
         f"{results['repeats']} repeat(s), greedy, EOS ignored, one request at a time, the four modes interleaved per "
         f"prompt. tok/s = generated tokens / HTTP wall time on the client (prefill included). "
@@ -551,22 +713,38 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"Machine: {m['cores']} cores, {m['cpu']}, {m['ram_gb']} GB RAM; llama-server {setup['threads']} threads for the "
         f"target and {setup['threads']} for the draft; specdec's services at their defaults (all cores); load average "
         f"{_load(m.get('load_average_start'))} at the start, {_load(m.get('load_average_end'))} at the end.", "",
-        "llama-server plain: `" + shlex.join(setup["llama_plain_command"]) + "`", "",
-        "llama-server speculative: `" + shlex.join(setup["llama_spec_command"]) + "`", "",
         "Requests: llama-server `/completion` with `" + json.dumps(setup["completion_fields"]) + "` and the prompt as ids; "
         "specdec `/v1/generate` with `" + json.dumps(setup["specdec_fields"]) + "` and the prompt text "
         "(its prompt token count checked against the ids).", "",
-        render_tables(results),
     ]
-    for key in results["summary"]:
-        lines += [f"### Per prompt, {key} new tokens", "", per_prompt_table(results["runs"], int(key)), ""]
+    for quant, block in blocks.items():
+        lines += [target_line(quant, block, setup["target_source"]), "",
+                  f"llama-server plain ({quant.upper()}): `" + shlex.join(block["llama_plain_command"]) + "`", "",
+                  f"llama-server speculative ({quant.upper()}): `" + shlex.join(block["llama_spec_command"]) + "`", ""]
+    lines += [render_tables(results)]
+    for quant, block in blocks.items():
+        suffix = f", target {quant.upper()}" if "by_quant" in results else ""
+        for key in block["summary"]:
+            lines += [f"### Per prompt, {key} new tokens{suffix}", "",
+                      per_prompt_table(runs_of(results["runs"], quant), int(key)), ""]
     if bench:
-        lines += ["### llama-bench (target and draft alone, llama.cpp's own timing)", "", llama_bench_table(bench), ""]
-        step = next((r for r in bench if r["name"] == "target plain step"), None)
-        rows16 = next((r for r in bench if r["name"] == "target 16-row eval"), None)
-        if step and rows16:
-            lines += [f"A 16-row eval of the target costs {rows16['ms_per_eval'] / step['ms_per_eval']:.2f}× one plain step.", ""]
+        lines += ["### llama-bench (target and draft alone, llama.cpp's own timing)", "", llama_bench_table(bench), "",
+                  *bench_cost_lines(bench)]
     return "\n".join(lines)
+
+
+def bench_cost_lines(bench: Sequence[dict[str, Any]]) -> list[str]:
+    """Per target type: what an eval of several rows costs in plain steps."""
+    lines = []
+    for quant in dict.fromkeys(r.get("target_quant", FP32) for r in bench if r.get("model", "target") == "target"):
+        rows = [r for r in bench if r.get("model", "target") == "target" and r.get("target_quant", FP32) == quant]
+        step = next((r for r in rows if not r["n_prompt"]), None)
+        evals = [r for r in rows if r["n_prompt"]]
+        if step and evals:
+            counts = " / ".join(str(r["n_prompt"]) for r in evals)
+            costs = " / ".join(f"{r['ms_per_eval'] / step['ms_per_eval']:.2f}×" for r in evals)
+            lines += [f"Target {quant.upper()}: an eval of {counts} rows costs {costs} one plain step.", ""]
+    return lines
 
 
 def _load(values: list[float] | None) -> str:
@@ -627,6 +805,19 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
+@dataclass
+class Inputs:
+    """What every target type is measured with."""
+
+    llama_dir: Path  # made by scripts/build_llama_server.sh
+    source: Path  # the target's safetensors checkpoint
+    draft_gguf: Path
+    prompts: list[Prompt]
+    prompt_ids: dict[str, list[int]]  # specdec's tokenizer's ids of each prompt: what llama-server gets
+    tokenizer: Any
+    log_dir: Path
+
+
 def run(args: argparse.Namespace, out: Path, command: str) -> int:
     from evaluation.hf import encode
     from specdec.errors import NotFound, SpecdecError
@@ -649,52 +840,44 @@ def run(args: argparse.Namespace, out: Path, command: str) -> int:
         draft_gguf = embedded_gguf_path()
     except NotFound as exc:
         raise PeerError(f"{exc} (run 'make setup')") from exc
-    # F32: the same numbers as specdec's fp32 target (llama.cpp's converter, the version the draft runs)
-    logger.info("the target as GGUF F32 (converted once, cached)")
-    try:
-        target_gguf = ensure_gguf(str(source), "f32", default_cache_dir())
-    except SpecdecError as exc:
-        raise PeerError(str(exc)) from exc
+    # F32: the same numbers as specdec's fp32 target (llama.cpp's converter, the version the draft
+    # runs). Every type is converted before anything is measured: a failing one costs no measurement.
+    targets = {}
+    for quant in args.target_quant:
+        logger.info("the target as GGUF %s (converted once, cached)", quant.upper())
+        try:
+            targets[quant] = ensure_gguf(str(source), quant, default_cache_dir())
+        except SpecdecError as exc:
+            raise PeerError(str(exc)) from exc
 
     tokenizer = load_tokenizer("embedded")
     prompt_ids = {p.id: encode(tokenizer, p) for p in prompts}
     longest = max(len(v) for v in prompt_ids.values()) + max(args.max_tokens)
     if longest >= args.ctx_size:
         raise PeerError(f"a prompt plus {max(args.max_tokens)} tokens needs {longest} positions, over --ctx-size {args.ctx_size}")
+    inputs = Inputs(llama_dir, source, draft_gguf, prompts, prompt_ids, tokenizer, log_dir)
 
     machine = machine_info(args.threads)
     machine["service_threads"] = "service defaults"
-    bench_rows = [] if args.no_llama_bench else run_llama_bench(llama_dir, target_gguf, draft_gguf, args.threads,
-                                                                args.kv_type, log_dir)
-
-    plain_port, spec_port = free_port(), free_port()
-    plain_cmd = llama_server_command(server_bin, target_gguf, plain_port, args.threads, args.ctx_size, args.kv_type)
-    spec_cmd = llama_server_command(server_bin, target_gguf, spec_port, args.threads, args.ctx_size, args.kv_type,
-                                    draft=draft_gguf, draft_max=args.draft_max, draft_min=args.draft_min,
-                                    draft_p_min=args.draft_p_min)
-    runs, services = _serve_and_measure(args, log_dir, plain_cmd, spec_cmd, prompts, prompt_ids)
+    by_quant: dict[str, dict[str, Any]] = {}
+    runs: list[dict[str, Any]] = []
+    bench_rows: list[dict[str, Any]] = []
+    for i, (quant, target_gguf) in enumerate(targets.items()):
+        by_quant[quant], quant_runs, quant_bench = measure_quant(args, inputs, quant, target_gguf, bench_draft=i == 0)
+        runs += quant_runs
+        bench_rows += quant_bench
     machine["load_average_end"] = list(os.getloadavg())
-
-    mismatches = find_mismatches(runs)
-    for x in mismatches:
-        for which in ("reference", "other"):
-            if x[f"{which}_token"] is not None:
-                x[f"{which}_text"] = tokenizer.decode([x[f"{which}_token"]])
-    if not any(r.get("draft_tokens") for r in runs if r["mode"] == "llama-spec"):
-        logger.warning("llama-server speculative drafted no tokens at all: check %s", log_dir / "llama-spec.log")
-    summary = summarise(runs, args.max_tokens)
     results = {
         "started": started, "duration_s": round(time.perf_counter() - t_start, 1), "command": command,
         "args": _jsonable(vars(args)), "machine": machine, "llama_cpp": llama_info,
         "llama_server_version": llama_version(server_bin), "llama_dir": str(llama_dir),
         "suite": {"version": SUITE_VERSION, "digest": suite_digest()}, "prompts": [p.id for p in prompts],
         "repeats": args.repeats, "max_tokens": args.max_tokens,
-        "setup": {"target_source": str(source), "target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf),
-                  "threads": args.threads, "kv_type": args.kv_type, "llama_plain_command": plain_cmd,
-                  "llama_spec_command": spec_cmd,
+        "setup": {"target_source": str(source), "draft_gguf": str(draft_gguf), "target_quants": list(targets),
+                  "threads": args.threads, "kv_type": args.kv_type,
                   "completion_fields": {k: v for k, v in completion_body([], 0).items() if k not in ("prompt", "n_predict")},
                   "specdec_fields": {"ignore_eos": True, "temperature": 0}},
-        "services": services, "llama_bench": bench_rows, "summary": summary, "mismatches": mismatches, "runs": runs,
+        "llama_bench": bench_rows, "by_quant": by_quant, "runs": runs,
     }
     write_results(out, results)
     (out / "report.md").write_text(render_markdown(results))
@@ -705,10 +888,48 @@ def run(args: argparse.Namespace, out: Path, command: str) -> int:
     return 0
 
 
-def _serve_and_measure(args: argparse.Namespace, log_dir: Path, plain_cmd: list[str], spec_cmd: list[str],
+def measure_quant(args: argparse.Namespace, inputs: Inputs, quant: str, target_gguf: Path,
+                  bench_draft: bool) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """One target type: llama-bench on its file (and on the draft with ``bench_draft``), then both
+    llama-servers and specdec's stack on it, every mode on every prompt, all of them stopped again;
+    (its results block, its runs, its llama-bench rows). Logs go to ``<log_dir>/<quant>/``."""
+    t0 = time.perf_counter()
+    log_dir = inputs.log_dir / quant
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("target %s: %s", quant.upper(), target_gguf)
+    checkpoint()
+    bench = [] if args.no_llama_bench else run_llama_bench(
+        inputs.llama_dir, target_gguf, inputs.draft_gguf, args.threads, args.kv_type, log_dir, quant,
+        ("target", "draft") if bench_draft else ("target",))
+
+    server_bin = inputs.llama_dir / "bin" / "llama-server"
+    plain_cmd = llama_server_command(server_bin, target_gguf, free_port(), args.threads, args.ctx_size, args.kv_type)
+    spec_cmd = llama_server_command(server_bin, target_gguf, free_port(), args.threads, args.ctx_size, args.kv_type,
+                                    draft=inputs.draft_gguf, draft_max=args.draft_max, draft_min=args.draft_min,
+                                    draft_p_min=args.draft_p_min)
+    env = target_env(quant)
+    measured, services = _serve_and_measure(args, log_dir, plain_cmd, spec_cmd, quant, inputs.prompts, inputs.prompt_ids)
+    runs = [{"target_quant": quant, **r} for r in measured]
+
+    mismatches = find_mismatches(runs)
+    for x in mismatches:
+        x["target_quant"] = quant
+        for which in ("reference", "other"):
+            if x[f"{which}_token"] is not None:
+                x[f"{which}_text"] = inputs.tokenizer.decode([x[f"{which}_token"]])
+    if not any(r.get("draft_tokens") for r in runs if r["mode"] == "llama-spec"):
+        logger.warning("llama-server speculative drafted no tokens at all: check %s", log_dir / "llama-spec.log")
+    block = {"target_gguf": str(target_gguf), "specdec_target_env": env, "llama_plain_command": plain_cmd,
+             "llama_spec_command": spec_cmd, "services": services, "duration_s": round(time.perf_counter() - t0, 1),
+             "summary": summarise(runs, args.max_tokens), "mismatches": mismatches}
+    return block, runs, bench
+
+
+def _serve_and_measure(args: argparse.Namespace, log_dir: Path, plain_cmd: list[str], spec_cmd: list[str], quant: str,
                        prompts: list[Any], prompt_ids: dict[str, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Start both llama-servers and specdec's stack at its defaults, run every mode on every
-    prompt, stop them all; (runs, each server's /props or /v1/info)."""
+    """Start both llama-servers and specdec's stack at its defaults, its target at ``quant``
+    (:func:`target_env`), run every mode on every prompt, stop them all; (runs, each server's
+    /props or /v1/info)."""
     import httpx
 
     stack = Stack(log_dir)
@@ -722,9 +943,10 @@ def _serve_and_measure(args: argparse.Namespace, log_dir: Path, plain_cmd: list[
             url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
             wait_health(url, proc)
             llama_urls[mode] = url
-        logger.info("starting specdec's services with their default settings (logs in %s)", log_dir)
+        logger.info("starting specdec's services with their default settings, the target at %s (logs in %s)",
+                    quant.upper(), log_dir)
         try:
-            tport = stack.model_service("target", "target", {"SPECDEC_TARGET_MODEL": "embedded"})
+            tport = stack.model_service("target", "target", target_env(quant))
             checkpoint()
             dport = stack.model_service("draft", "draft", {"SPECDEC_DRAFT_MODEL": "embedded"})
             checkpoint()
@@ -736,6 +958,9 @@ def _serve_and_measure(args: argparse.Namespace, log_dir: Path, plain_cmd: list[
         client = Client(harness, llama_urls)
         try:
             services = {"specdec": harness.http.get(sd_url + "/v1/info").json()}
+            problem = target_problem(quant, services["specdec"].get("target") or {})
+            if problem:
+                raise PeerError(f"{problem}; see {log_dir / 'target.log'}")
             for mode, url in llama_urls.items():
                 services[mode] = harness.http.get(url + "/props").json()
             if not args.no_warmup:

@@ -5,6 +5,8 @@ stack as real processes. The helpers they use are in tests/support.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,6 +40,27 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
         "llama-target": make_llama(root / "llama-target", 0),
         "llama-draft": make_llama(root / "llama-draft", 1),
     }
+
+
+# the GGUF types a quantised target is tested on (llama.cpp's quantiser makes them from f32)
+GGUF_TARGET_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k", "f16")
+
+
+@pytest.fixture(scope="session")
+def tiny_ggufs(tmp_path_factory) -> dict[str, Path]:
+    """{arch}-{type}: tiny Llama and GPT-2 checkpoints (hidden 256: whole K-quant super-blocks)
+    converted by llama.cpp's converter and quantised to every type of GGUF_TARGET_TYPES (GPT-2:
+    q8_0 and q4_k_m)."""
+    from specdec.gguf_convert import ensure_gguf
+    from tests.support import make_bpe_model
+
+    root, cache = tmp_path_factory.mktemp("gguf-targets"), tmp_path_factory.mktemp("gguf-target-cache")
+    out = {}
+    for arch, types in (("llama", GGUF_TARGET_TYPES), ("gpt2", ("q8_0", "q4_k_m"))):
+        folder = make_bpe_model(root / arch, arch, seed=3, hidden=256)
+        for quant in types:
+            out[f"{arch}-{quant}"] = ensure_gguf(str(folder), quant, cache)
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -97,16 +97,17 @@ PROMPTS = [
 BPE_VOCAB = 49152  # the embedded tokenizer's
 
 
-def make_bpe_model(folder: Path, arch: str, seed: int = 0) -> Path:
-    """A tiny random model of ``arch`` (gpt2, llama, opt) with the embedded tokenizer."""
+def make_bpe_model(folder: Path, arch: str, seed: int = 0, hidden: int = 64) -> Path:
+    """A tiny random model of ``arch`` (gpt2, llama, opt) with the embedded tokenizer; ``hidden``
+    256 or more gives GGUF's K-quants whole super-blocks."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     torch.manual_seed(seed)
     if arch == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=BPE_VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=2,
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=BPE_VOCAB, n_positions=256, n_embd=hidden, n_layer=2, n_head=2,
                                            bos_token_id=1, eos_token_id=2))
     elif arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=BPE_VOCAB, hidden_size=64, intermediate_size=128,
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=BPE_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              max_position_embeddings=256, bos_token_id=1, eos_token_id=2))
     else:

@@ -36,7 +36,8 @@ import torch  # noqa: F401  # loaded first: the library's OpenMP calls then run 
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.c")
+FOLDER = Path(__file__).parent
+SOURCE = FOLDER / "kernels.c"
 # kernels.c's companions, one library: the quantised linears' driver, one file per GGUF format, the
 # headers they share
 PARTS = ("quant.c", "q4_0.c", "q4_1.c", "q5_0.c", "q5_1.c", "q8_0.c", "q4_k.c", "q5_k.c", "q6_k.c")
@@ -118,7 +119,7 @@ def sources(source: Path | None = None) -> list[Path]:
     companions (:data:`PARTS`, :data:`HEADERS`) from the same folder where they are there, else
     from this package."""
     source = source or SOURCE
-    return [source] + [source.parent / n if (source.parent / n).is_file() else SOURCE.parent / n for n in PARTS + HEADERS]
+    return [source] + [source.parent / n if (source.parent / n).is_file() else FOLDER / n for n in PARTS + HEADERS]
 
 
 def library_name(source: Path | None = None, flags: tuple[str, ...] = FLAGS) -> str:
@@ -156,7 +157,7 @@ def build(folder: Path | None = None, source: Path | None = None, sanitize: bool
         raise NativeError(f"cannot write to {folder}: {exc}") from exc
     os.close(fd)
     files = sources(source)
-    cmd = [cc, *flags, f"-I{source.parent}", f"-I{SOURCE.parent}", *(str(f) for f in files if f.suffix == ".c"),
+    cmd = [cc, *flags, f"-I{source.parent}", f"-I{FOLDER}", *(str(f) for f in files if f.suffix == ".c"),
            "-o", tmp, "-lm"]
     logger.info("compiling specdec's native kernels (a few seconds, once): %s", " ".join(cmd))
     try:

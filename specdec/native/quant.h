@@ -305,66 +305,117 @@ SD_AVX2 INLINE __m256i unpack_avx2(const uint8_t *q, const int bits, int j, int 
     return v;
 }
 
-/* Panels [p0, p1): per panel, passes of up to QCHUNK rows; per block, the weights unpacked once
- * and every row of the pass against them. */
-SD_AVX2 INLINE void qpanels_avx2(const sd_qargs *a, int64_t p0, int64_t p1, const int bits, const int64_t unit,
-                                 const int64_t head, const int fam, const int z) {
-    const int64_t k = a->k, nb = k / QBLOCK, spu = unit / QBLOCK, sub = SUB_BYTES(bits), ub = head + spu * sub;
+/* A block's weights, unpacked once for all the rows of a pass. */
+typedef struct {
+    __m256i w[8][2], wa[8][2]; /* vector j, half h (8-bit: w signed, wa = |w|) */
+    __m256 d[2], dh[2], m[2];  /* scales by half: columns 0..7, 8..15 */
+} qblock_avx2;
+
+SD_AVX2 INLINE void halves(v16 v, __m256 out[2]) {
+    memcpy(&out[0], &v, 32);
+    memcpy(&out[1], (const char *)&v + 32, 32);
+}
+
+/* R rows from `row` of x against one unpacked block: acc[r][h] += the block's sums, scaled (the
+ * same operations for every row, whatever R: a row's bits never depend on its neighbours). */
+SD_AVX2 INLINE void qrows_avx2(const sd_qargs *a, const qblock_avx2 *blk, int64_t row, int64_t b, const int R,
+                               const int bits, const int fam, const int z, __m256 acc[][2]) {
+    const int64_t k = a->k, nb = k / QBLOCK;
     /* products summed in int16 before widening: at most 4 of 31 * 127 * 2 (5-bit), 2 of 63 * 127 * 2
      * (6-bit); Q8_0's sign trick gives up to 2 * 127 * 127 a product: one at a time */
     const int group = bits == 8 ? 1 : bits == 6 ? 2 : 4;
+    const int split = fam == SC_Q6K; /* separate sums for k 0..15 and 16..31 */
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s[2][2][2]; /* row, lo/hi (split only), half */
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < 2; l++)
+            for (int h = 0; h < 2; h++) s[r][l][h] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g += group) {
+        __m256i p16[2][2];
+#pragma GCC unroll 4
+        for (int j = g; j < g + group; j++) {
+            __m256i xb[2];
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++)
+                xb[r] = _mm256_set1_epi32((int)load_u32((const uint8_t *)(a->xq + (row + r) * k + b * QBLOCK + 4 * j)));
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
+                for (int r = 0; r < R; r++) {
+                    __m256i prod = bits == 8 ? _mm256_maddubs_epi16(blk->wa[j][h], _mm256_sign_epi8(xb[r], blk->w[j][h]))
+                                             : _mm256_maddubs_epi16(blk->w[j][h], xb[r]);
+                    p16[r][h] = j == g ? prod : _mm256_add_epi16(p16[r][h], prod);
+                }
+        }
+        const int l = split && g >= 4;
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++) s[r][l][h] = _mm256_add_epi32(s[r][l][h], _mm256_madd_epi16(p16[r][h], ones));
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (row + r) * nb + b;
+        const __m256 xs = _mm256_set1_ps(a->xs[at]);
+        const int32_t qlo = a->xqs[2 * at], qhi = a->xqs[2 * at + 1];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256 t;
+            if (split) {
+                __m256 flo = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][0][h], _mm256_set1_epi32(z * qlo)));
+                __m256 fhi = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][1][h], _mm256_set1_epi32(z * qhi)));
+                t = _mm256_add_ps(_mm256_mul_ps(blk->d[h], _mm256_mul_ps(xs, flo)),
+                                  _mm256_mul_ps(blk->dh[h], _mm256_mul_ps(xs, fhi)));
+            } else {
+                __m256i sum = z ? _mm256_sub_epi32(s[r][0][h], _mm256_set1_epi32(z * (qlo + qhi))) : s[r][0][h];
+                t = _mm256_mul_ps(blk->d[h], _mm256_mul_ps(xs, _mm256_cvtepi32_ps(sum)));
+                if (fam == SC_DM || fam == SC_K) t = _mm256_add_ps(t, _mm256_mul_ps(blk->m[h], _mm256_set1_ps(a->xsum[at])));
+            }
+            acc[r][h] = _mm256_add_ps(acc[r][h], t);
+        }
+    }
+}
+
+/* Panels [p0, p1): per panel, passes of up to QCHUNK rows; per block, the weights unpacked once
+ * and every row of the pass against them, two at a time. */
+SD_AVX2 INLINE void qpanels_avx2(const sd_qargs *a, int64_t p0, int64_t p1, const int bits, const int64_t unit,
+                                 const int64_t head, const int fam, const int z) {
+    const int64_t k = a->k, nb = k / QBLOCK, spu = unit / QBLOCK, sub = SUB_BYTES(bits), ub = head + spu * sub;
     for (int64_t p = p0; p < p1; p++) {
         const uint8_t *pw = a->w + (p - a->p_base) * (k / unit) * ub;
         for (int64_t m0 = 0; m0 < a->m; m0 += QCHUNK) {
             const int64_t rows = a->m - m0 < QCHUNK ? a->m - m0 : QCHUNK;
-            v16 acc[QCHUNK];
-            for (int64_t r = 0; r < rows; r++) acc[r] = splat(0.0f);
+            __m256 acc[QCHUNK][2];
+            for (int64_t r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *u = pw + (b / spu) * ub, *q = u + head + (b % spu) * sub;
                 if (m0 == 0)
                     for (int64_t c = 0; c < sub; c += 64) _mm_prefetch((const char *)q + QPREFETCH + c, _MM_HINT_T0);
-                __m256i w[8][2], wa[8][2];
+                qblock_avx2 blk;
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; j++)
 #pragma GCC unroll 2
                     for (int h = 0; h < 2; h++) {
-                        w[j][h] = unpack_avx2(q, bits, j, h);
-                        if (bits == 8) wa[j][h] = _mm256_abs_epi8(w[j][h]);
+                        blk.w[j][h] = unpack_avx2(q, bits, j, h);
+                        if (bits == 8) blk.wa[j][h] = _mm256_abs_epi8(blk.w[j][h]);
                     }
                 v16 d, dh, m;
                 scales_avx2(fam, u, (int)(b % spu), &d, &dh, &m);
-                for (int64_t r = 0; r < rows; r++) {
-                    const int64_t row = m0 + r, at = row * nb + b;
-                    const int8_t *x = a->xq + row * k + b * QBLOCK;
-                    __m256i s[2][2] = {{_mm256_setzero_si256(), _mm256_setzero_si256()},
-                                       {_mm256_setzero_si256(), _mm256_setzero_si256()}};
-#pragma GCC unroll 8
-                    for (int g = 0; g < 8; g += group) {
-                        __m256i p16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-#pragma GCC unroll 4
-                        for (int j = g; j < g + group; j++) {
-                            __m256i xb = _mm256_set1_epi32((int)load_u32((const uint8_t *)x + 4 * j));
-#pragma GCC unroll 2
-                            for (int h = 0; h < 2; h++) {
-                                __m256i prod = bits == 8 ? _mm256_maddubs_epi16(wa[j][h], _mm256_sign_epi8(xb, w[j][h]))
-                                                         : _mm256_maddubs_epi16(w[j][h], xb);
-                                p16[h] = group == 1 ? prod : _mm256_add_epi16(p16[h], prod);
-                            }
-                        }
-#pragma GCC unroll 2
-                        for (int h = 0; h < 2; h++) s[g / 4][h] = _mm256_add_epi32(s[g / 4][h], _mm256_madd_epi16(p16[h], ones));
-                    }
-                    v16i lo, hi;
-                    memcpy(&lo, &s[0][0], 32);
-                    memcpy((char *)&lo + 32, &s[0][1], 32);
-                    memcpy(&hi, &s[1][0], 32);
-                    memcpy((char *)&hi + 32, &s[1][1], 32);
-                    acc[r] = qepilogue(fam, z, acc[r], lo, hi, d, dh, m, a->xs[at], a->xsum[at], a->xqs[2 * at],
-                                       a->xqs[2 * at + 1]);
-                }
+                halves(d, blk.d);
+                halves(dh, blk.dh);
+                halves(m, blk.m);
+                int64_t r = 0;
+                for (; r + 2 <= rows; r += 2) qrows_avx2(a, &blk, m0 + r, b, 2, bits, fam, z, acc + r);
+                if (r < rows) qrows_avx2(a, &blk, m0 + r, b, 1, bits, fam, z, acc + r);
             }
-            for (int64_t r = 0; r < rows; r++) store_q(a, m0 + r, p, acc[r]);
+            for (int64_t r = 0; r < rows; r++) {
+                v16 v;
+                memcpy(&v, &acc[r][0], 32);
+                memcpy((char *)&v + 32, &acc[r][1], 32);
+                store_q(a, m0 + r, p, v);
+            }
         }
     }
 }
