@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup run test test-fast test-gpu test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout bench-rtt bench-peer clean-cache
+.PHONY: setup run test test-fast test-native-asan test-gpu test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout bench-rtt bench-peer clean-cache
 
 setup: $(STAMP)
 
@@ -90,7 +90,14 @@ bench-rtt: setup
 
 ## specdec against llama.cpp's own llama-server on the same weights (builds llama-server once, minutes; docs/benchmarks.md).
 bench-peer: setup
-	$(PY) -m evaluation.peer
+	$(PY) -m evaluation.peer $(BENCH_ARGS)
+
+## The native kernels' tests on an AddressSanitizer + UBSan build of the library (any invalid read,
+## write or undefined operation aborts the test run with its report).
+test-native-asan: setup
+	SPECDEC_NATIVE_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1 \
+	  LD_PRELOAD="$$($${CC:-cc} -print-file-name=libasan.so)" \
+	  $(PY) -m pytest -ra -p no:cacheprovider tests/unit/test_quant_kernels.py tests/unit/test_native.py
 
 clean-cache:
 	rm -rf $${SPECDEC_CACHE_DIR:-$$HOME/.cache/specdec}/models

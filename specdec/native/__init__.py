@@ -434,7 +434,8 @@ def kernels() -> Kernels | None:
         logger.info("native kernels disabled (%s=0)", DISABLE_ENV)
         return None
     try:
-        return Kernels(build())
+        # SPECDEC_NATIVE_SANITIZE=1: the AddressSanitizer + UBSan build (make test-native-asan)
+        return Kernels(build(sanitize=os.environ.get("SPECDEC_NATIVE_SANITIZE") == "1"))
     except (NativeError, OSError) as exc:
         logger.warning("native kernels unavailable, the runner keeps torch ops (a few ms a step slower): %s", exc)
         return None
