@@ -46,6 +46,13 @@ class Tensor:
 class GGUFFile:
     """``fields``: metadata by key (ints, floats, bools, strings, lists); ``tensors``: by name."""
 
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident memory (MADV_DONTNEED on the read-only
+        mapping: the tensors stay readable, faulted in again from the page cache when read). For
+        an engine that has packed the weights into memory of its own."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         with open(self.path, "rb") as f:

@@ -135,6 +135,10 @@ class GGUFModel:
         logger.info("GGUF target %s (%s): %d linears in their own format (%s), fp32 linears on %s",
                     self.file.path.name, self.file_type, len(self.quant),
                     ", ".join(f"{f} on {native.quant_isa(f)}" for f in formats) or "none", native.isa)
+        # packed now: the raw blocks (and the copies of the q/k projections' reordered rows) go,
+        # and the file's pages leave resident memory (embedding rows fault back in as looked up)
+        self.quant = {}
+        self.file.release_pages()
 
 
 class TargetEngine:
@@ -163,6 +167,8 @@ class TargetEngine:
             self.backend = "native"
             fingerprint, _, eos = gguf_tokenizer_fingerprint(gguf.file)
             dtype, eos_tokens = gguf.file_type, sorted(eos)
+            for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+                gguf.file.fields.pop(key, None)  # ~9 MB of Python strings for a 49k vocabulary, read once
         else:
             fingerprint, dtype = tokenizer_fingerprint(loaded.tokenizer), str(loaded.model.dtype).removeprefix("torch.")
             eos_tokens = eos_ids(config, loaded.tokenizer, getattr(loaded.model, "generation_config", None))
