@@ -211,7 +211,7 @@ def target_costs(args: argparse.Namespace) -> tuple[dict[tuple[str, int, int], f
                 name = "runner" if kernel in ON_RUNNER else "other"
                 engine = engines[name]
                 _select(engine, runners[name], kernel)
-                if kernel in natives:
+                if kernel in natives and runners["runner"].native is not natives[kernel]:
                     runners["runner"].use_kernels(natives[kernel])
                 # each step: the session's next token (uncached) plus q - 1 draft tokens
                 jobs = [engine.prepare(f"t{q}-{b}-{i}", s + _ids(rng, 1), _ids(rng, q - 1))

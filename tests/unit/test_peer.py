@@ -146,7 +146,7 @@ def test_build_script_builds_the_same_version():
 def test_make_target():
     makefile = (ROOT / "Makefile").read_text()
     assert "bench-peer" in re.search(r"^\.PHONY:.*$", makefile, re.M).group(0)
-    assert re.search(r"^bench-peer: setup\n\t\$\(PY\) -m evaluation\.peer$", makefile, re.M)
+    assert re.search(r"^bench-peer: setup\n\t\$\(PY\) -m evaluation\.peer \$\(BENCH_ARGS\)$", makefile, re.M)
 
 
 # ---- preparation helpers ---------------------------------------------------------------------------------
