@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -138,6 +139,11 @@ class Packed:
         return self.end - self.start != self.group_out
 
 
+# "on": fp32 linears on specdec.native whatever the instruction set (tests and comparisons on CPUs
+# without AVX-512, where oneDNN's packed kernel is otherwise preferred)
+NATIVE_LINEARS_ENV = "SPECDEC_NATIVE_LINEARS"
+
+
 class _FastLinears:
     """Faster CPU fp32 ``nn.Linear`` (and GPT-2's ``Conv1D``) for the few-row forwards of decoding
     and verification.
@@ -189,7 +195,8 @@ class _FastLinears:
         self.count = 0
         self._onednn = _onednn_linear()
         self.native = kernels() if pack and native else None
-        if self.native is not None and self.native.isa != "avx512" and _onednn_pack() is not None:
+        if (self.native is not None and self.native.isa != "avx512" and _onednn_pack() is not None
+                and os.environ.get(NATIVE_LINEARS_ENV, "auto") != "on"):
             # without AVX-512 the native kernel streams a lone row as fast, but computes several
             # rows at a third of oneDNN's speed (docs/performance.md): oneDNN's packed linears then
             logger.info("linears on oneDNN's packed kernel: specdec.native's runs %s here, not AVX-512",

@@ -30,6 +30,12 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         proc.kill()
 
 
+@pytest.fixture
+def native_linears(monkeypatch):
+    """fp32 linears on specdec.native on any CPU (without AVX-512 the engine prefers oneDNN's)."""
+    monkeypatch.setenv("SPECDEC_NATIVE_LINEARS", "on")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Paths of tiny checkpoints: {arch}-target and {arch}-draft (same architecture, other seed)."""

@@ -163,7 +163,8 @@ def test_the_quantised_stack_in_one_call_drafts_what_its_calls_one_by_one_draft(
 def test_embedded_draft_keeps_its_sessions_and_agrees_with_its_fp32_forward():
     """The embedded Q4_1 draft on its blocks: a session's second Propose reuses its cache, and the
     drafted tokens are the greedy choices of the same model's transformers forward on the
-    dequantised weights, apart from near-ties the int8 rounding of activations may flip."""
+    dequantised weights, apart from near-ties the int8 rounding of activations may flip (each
+    drafted token within 0.25 logits of the fp32 forward's best)."""
     path = embedded_gguf_path()
     proposer = NativeProposer(path, SessionStore(8, 1 << 30, 0), 16)
     model, _, _ = load_gguf(path)
@@ -174,8 +175,12 @@ def test_embedded_draft_keeps_its_sessions_and_agrees_with_its_fp32_forward():
     assert second.cached_tokens == len(prompt) + 2  # all but the last known token came from the cache
     ids = torch.tensor([prompt + first.tokens])
     with torch.no_grad():
-        greedy = model(ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
-    assert sum(a == b for a, b in zip(greedy, first.tokens, strict=True)) >= 7, (greedy, first.tokens)
+        logits = model(ids).logits[0, len(prompt) - 1:-1]
+    greedy = logits.argmax(-1).tolist()
+    assert sum(a == b for a, b in zip(greedy, first.tokens, strict=True)) >= 5, (greedy, first.tokens)
+    # where they differ, the fp32 forward all but ties the two (gaps of ~0.05 logits are seen)
+    gaps = [float(logits[i].max() - logits[i, t]) for i, t in enumerate(first.tokens)]
+    assert max(gaps) < 0.25, (greedy, first.tokens, gaps)
 
 
 def test_auto_takes_native_where_it_applies_and_says_why_not(ggufs):

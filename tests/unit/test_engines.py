@@ -252,7 +252,7 @@ def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
         assert calls == expected, kernel
 
 
-def test_native_linears_match_the_stock_kernel_at_every_row_count(tiny_models):
+def test_native_linears_match_the_stock_kernel_at_every_row_count(tiny_models, native_linears):
     """Where specdec.native builds, the engine's linears run on its kernel (weights packed in
     panels at load) for any number of rows, a lone row included, and agree with ``F.linear``."""
     import torch
@@ -288,7 +288,7 @@ def test_native_linears_match_the_stock_kernel_at_every_row_count(tiny_models):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "onednn"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_packed_layers_free_their_row_major_weights_and_keep_their_outputs(tiny_models, arch, native):
+def test_packed_layers_free_their_row_major_weights_and_keep_their_outputs(tiny_models, arch, native, native_linears):
     """By default each packed layer drops its row-major weight (a tied lm_head keeps it: the input
     embeddings hold it) and serves every call from the packed one, inside an engine's forward or
     not (``generate``); the outputs are those of the model that kept its weights, bit for bit."""

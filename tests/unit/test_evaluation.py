@@ -408,7 +408,7 @@ def test_batchcost_measures_both_engines(tmp_path):
 
 
 @pytest.mark.embedded
-def test_batchcost_times_another_build_of_the_kernels_against_this_one(tmp_path):
+def test_batchcost_times_another_build_of_the_kernels_against_this_one(tmp_path, native_linears):
     """``--native-against old.c`` builds that kernels.c and times the runner on it interleaved
     with the current build, on the same packed weights; a file that does not compile is a clear
     exit, not a traceback."""

@@ -58,7 +58,7 @@ def test_runner_logits_match_transformers_through_prefill_verify_and_steps(tiny_
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_stack_in_one_call_computes_what_its_calls_one_by_one_compute(tiny_models, arch):
+def test_the_stack_in_one_call_computes_what_its_calls_one_by_one_compute(tiny_models, arch, native_linears):
     """sd_forward_decoder runs the decoder layers in C with the kernels the runner otherwise calls
     one by one: the same logits and the same cache, bit for bit, through a batched prefill, a
     verify and plain steps of two sessions."""
@@ -80,7 +80,7 @@ def test_the_stack_in_one_call_computes_what_its_calls_one_by_one_compute(tiny_m
         assert torch.equal(fused.session(sid).cache.kv[:, :, :, :n], calls.session(sid).cache.kv[:, :, :, :n])
 
 
-def test_a_build_without_the_one_call_stack_runs_the_kernels_one_by_one(tiny_models, tmp_path):
+def test_a_build_without_the_one_call_stack_runs_the_kernels_one_by_one(tiny_models, tmp_path, native_linears):
     """use_kernels moves every linear and kernel of a runner to another build; a build of a
     kernels.c without sd_forward_decoder (an older one, as evaluation.batchcost --native-against
     loads) runs the calls one by one, to the same bits. A runner off specdec.native refuses."""
@@ -100,7 +100,7 @@ def test_a_build_without_the_one_call_stack_runs_the_kernels_one_by_one(tiny_mod
         _lm(path, native=False).runner.use_kernels(older)
 
 
-def test_the_logits_buffer_is_reused_only_once_no_one_holds_the_last_logits(tiny_models):
+def test_the_logits_buffer_is_reused_only_once_no_one_holds_the_last_logits(tiny_models, native_linears):
     lm = _lm(tiny_models["llama-target"])
     lm.runner.logits_out = OutputBuffer(floor=0)  # the tiny vocabulary's logits are far below the default floor
     full, _ = _reference(tiny_models["llama-target"], IDS)

@@ -75,9 +75,11 @@ def test_top_p_keeps_what_sorting_the_whole_vocabulary_keeps(scale):
         want = _top_p_by_sort(logits, top_p)
         got = sm._top_p(logits, top_p)
         for row, (w, g) in enumerate(zip(want, got, strict=True)):
-            # rows whose cut lies within fp32 rounding of top_p may fall either way: skip those
+            # rows whose cut lies within fp32 rounding of top_p may fall either way: skip those (a
+            # cumulative sum over 49,152 probabilities in fp32 differs by up to ~2e-5 between
+            # summation orders, which differ between CPUs' vector widths)
             cum = torch.softmax(torch.sort(logits[row], descending=True).values, -1).cumsum(-1)
-            if (cum - top_p).abs().min() < 1e-5:
+            if (cum - top_p).abs().min() < 1e-4:
                 continue
             assert torch.equal(torch.isfinite(g), torch.isfinite(w)), (scale, top_p, row)
             assert torch.equal(g[torch.isfinite(g)], w[torch.isfinite(w)])
