@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "default runner")
     p.add_argument("--native-against", type=Path, default=None, metavar="KERNELS_C",
                    help="another version of specdec/native/kernels.c (one whose linears read the same packed layout, "
-                        "e.g. `git show REV:specdec/native/kernels.c > old.c`): adds runner-against, the runner on that "
+                        "e.g. every specdec/native/*.c and *.h of REV written with `git show` into one folder: the files "
+                        "missing there come from this checkout): adds runner-against, the runner on that "
                         "build, timed interleaved with runner on the current one")
     p.add_argument("--out", type=Path, default=None, help="output folder (default evaluation/results/batchcost-<timestamp>/)")
     args = p.parse_args(argv)
