@@ -288,6 +288,21 @@ static void quantise_rows(const float *x, int64_t m, int64_t k, uint8_t *scratch
     a->xqs = xqs;
 }
 
+/* A pass's arguments, x quantised into scratch (the weight and format are the caller's). */
+static sd_qargs pass_args(const float *x, int64_t m, int64_t k, int64_t n, const float *bias, const float *residual,
+                          int act, float *y, uint8_t *scratch) {
+    sd_qargs a = {0};
+    quantise_rows(x, m, k, scratch, &a);
+    a.bias = bias;
+    a.residual = residual;
+    a.y = y;
+    a.m = m;
+    a.k = k;
+    a.n = n;
+    a.act = act;
+    return a;
+}
+
 static sd_qpanels_fn generic_kernel(int fmt) {
 #if defined(SD_HAVE_AVX2)
     if (fmt_isa(fmt) != ISA_BASE) return FORMATS[fmt]->avx2;
@@ -304,16 +319,8 @@ void sd_linear_quant(const float *x, int64_t m, int64_t k, const uint8_t *w, int
         sd_linear_quant_parts(x, m, k, w, part, 1, n, bias, residual, act, y, scratch);
         return;
     }
-    sd_qargs a = {0};
-    quantise_rows(x, m, k, scratch, &a);
+    sd_qargs a = pass_args(x, m, k, n, bias, residual, act, y, scratch);
     a.w = w;
-    a.bias = bias;
-    a.residual = residual;
-    a.y = y;
-    a.m = m;
-    a.k = k;
-    a.n = n;
-    a.act = act;
     a.fmt = fmt;
     int64_t np = (n + PANEL - 1) / PANEL;
 #pragma omp parallel if (m * n * k >= (1 << 15))
@@ -332,15 +339,7 @@ void sd_linear_quant(const float *x, int64_t m, int64_t k, const uint8_t *w, int
 void sd_linear_quant_parts(const float *x, int64_t m, int64_t k, const uint8_t *w, const int64_t *parts,
                            int64_t nparts, int64_t n, const float *bias, const float *residual, int act, float *y,
                            uint8_t *scratch) {
-    sd_qargs a = {0};
-    quantise_rows(x, m, k, scratch, &a);
-    a.bias = bias;
-    a.residual = residual;
-    a.y = y;
-    a.m = m;
-    a.k = k;
-    a.n = n;
-    a.act = act;
+    sd_qargs a = pass_args(x, m, k, n, bias, residual, act, y, scratch);
     int64_t np = (n + PANEL - 1) / PANEL;
 #pragma omp parallel if (m * n * k >= (1 << 15))
     {
