@@ -130,12 +130,13 @@ class QuantRows:
     table costs no fp32 copy (49152 x 576 floats, 113 MB, for the embedded model)."""
 
     def __init__(self, blocks: np.ndarray, qtype: Any, hidden: int) -> None:
-        self.blocks, self.qtype, self.hidden = blocks, qtype, hidden
-
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         from gguf.quants import dequantize
 
-        rows = dequantize(self.blocks[ids.numpy()], self.qtype).reshape(-1, self.hidden)
+        self.blocks, self.qtype, self.hidden = blocks, qtype, hidden
+        self._dequantize = dequantize  # once, not on every step's lookup
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._dequantize(self.blocks[ids.numpy()], self.qtype).reshape(-1, self.hidden)
         return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
 
 

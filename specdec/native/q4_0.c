@@ -4,10 +4,7 @@
 
 static void q4_0_decode(const uint8_t *blk, int s, uint8_t q[32]) {
     (void)s;
-    for (int i = 0; i < 16; i++) {
-        q[i] = blk[2 + i] & 15;
-        q[16 + i] = blk[2 + i] >> 4;
-    }
+    decode_nibbles(blk + 2, 0, q);
 }
 
 static void q4_0_head(const uint8_t *blk, uint8_t *head, int c) { memcpy(head + 2 * c, blk, 2); }

@@ -4,11 +4,7 @@
 
 static void q5_0_decode(const uint8_t *blk, int s, uint8_t q[32]) {
     (void)s;
-    uint32_t qh = load_u32(blk + 2);
-    for (int i = 0; i < 16; i++) {
-        q[i] = (uint8_t)((blk[6 + i] & 15) | ((qh >> i) & 1) << 4);
-        q[16 + i] = (uint8_t)((blk[6 + i] >> 4) | ((qh >> (16 + i)) & 1) << 4);
-    }
+    decode_nibbles(blk + 6, load_u32(blk + 2), q);
 }
 
 static void q5_0_head(const uint8_t *blk, uint8_t *head, int c) { memcpy(head + 2 * c, blk, 2); }

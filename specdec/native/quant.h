@@ -105,6 +105,15 @@ INLINE float half_to_float(uint16_t h) {
 
 INLINE uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
+/* A legacy block's 32 weights from its 16 bytes of nibbles (k = i low, k = 16 + i high) and, for
+ * Q5_0 / Q5_1, its 32 high bits (bit k; 0 for the 4-bit formats). */
+INLINE void decode_nibbles(const uint8_t *qs, uint32_t qh, uint8_t q[32]) {
+    for (int i = 0; i < 16; i++) {
+        q[i] = (uint8_t)((qs[i] & 15) | ((qh >> i) & 1) << 4);
+        q[16 + i] = (uint8_t)((qs[i] >> 4) | ((qh >> (16 + i)) & 1) << 4);
+    }
+}
+
 /* ---- Packing: GGUF blocks to panels ----
  * A format gives, per GGUF block, sub-block s's 32 integer weights (unsigned, or the signed
  * bytes of Q8_0) and column c's entries of the unit's head. */
