@@ -9,6 +9,10 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+/* Half a v16, for loops whose v16 accumulators would not fit AVX2's 16 registers: GCC keeps an
+ * array of v16 wider than the target's registers in memory, and splits every operation on it. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
@@ -23,6 +27,10 @@ INLINE v16 splat(float f) { return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, 
 /* f in every lane by one broadcast (GCC can build splat's literal of a loaded float lane by lane) */
 INLINE v16 bcast(float f) { return __builtin_shuffle((v16){f}, (v16i){0}); }
 
+INLINE v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+INLINE void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+INLINE v8 bcast8(float f) { return __builtin_shuffle((v8){f}, (v8i){0}); }
+
 /* The sum of a vector's 16 lanes, always in the same tree. */
 INLINE float hsum(v16 a) {
     float s[16];
@@ -33,27 +41,34 @@ INLINE float hsum(v16 a) {
     return (u[0] + u[2]) + (u[1] + u[3]);
 }
 
-INLINE v16 vmax(v16 a, v16 b) { v16i m = a > b; return (v16)((m & (v16i)a) | (~m & (v16i)b)); }
-INLINE v16 vmin(v16 a, v16 b) { v16i m = a < b; return (v16)((m & (v16i)a) | (~m & (v16i)b)); }
+INLINE v8 splat8(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 
-/* e^x, |relative error| < 2e-7 over the float range: 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2],
- * e^r by its Taylor polynomial to r^7 (Horner). Below -87.3 it returns ~1e-38, not 0. */
-INLINE v16 vexp(v16 x) {
-    x = vmin(vmax(x, splat(-87.3f)), splat(88.7f));
-    const v16 shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    v16 n = (x * splat(1.44269504088896341f) + shifter) - shifter;
-    v16 r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
-    v16 p = splat(1.0f / 5040);
-    p = p * r + splat(1.0f / 720);
-    p = p * r + splat(1.0f / 120);
-    p = p * r + splat(1.0f / 24);
-    p = p * r + splat(1.0f / 6);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.0f);
-    p = p * r + splat(1.0f);
-    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16)bits;
-}
+/* vmax, vmin and vexp of a vector type V (integers VI, broadcast S): the v16 ones, and the
+ * v8 ones (suffix 8) for the loops kept in halves. */
+#define SD_VECTOR_MATH(SUFFIX, V, VI, S)                                                            \
+    INLINE V vmax##SUFFIX(V a, V b) { VI m = a > b; return (V)((m & (VI)a) | (~m & (VI)b)); }      \
+    INLINE V vmin##SUFFIX(V a, V b) { VI m = a < b; return (V)((m & (VI)a) | (~m & (VI)b)); }      \
+    /* e^x, |relative error| < 2e-7 over the float range: 2^n * e^r, r = x - n ln2 in           \
+     * [-ln2/2, ln2/2], e^r by its Taylor polynomial to r^7 (Horner). Below -87.3 it returns      \
+     * ~1e-38, not 0. */                                                                        \
+    INLINE V vexp##SUFFIX(V x) {                                                                \
+        x = vmin##SUFFIX(vmax##SUFFIX(x, S(-87.3f)), S(88.7f));                                 \
+        const V shifter = S(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */       \
+        V n = (x * S(1.44269504088896341f) + shifter) - shifter;                                \
+        V r = (x - n * S(0.693359375f)) - n * S(-2.12194440e-4f);                               \
+        V p = S(1.0f / 5040);                                                                   \
+        p = p * r + S(1.0f / 720);                                                              \
+        p = p * r + S(1.0f / 120);                                                              \
+        p = p * r + S(1.0f / 24);                                                               \
+        p = p * r + S(1.0f / 6);                                                                \
+        p = p * r + S(0.5f);                                                                    \
+        p = p * r + S(1.0f);                                                                    \
+        p = p * r + S(1.0f);                                                                    \
+        VI bits = (__builtin_convertvector(n, VI) + 127) << 23;                                 \
+        return p * (V)bits;                                                                     \
+    }
+SD_VECTOR_MATH(, v16, v16i, splat)
+SD_VECTOR_MATH(8, v8, v8i, splat8)
 
 INLINE float sexp(float x) {
     v16 v = vexp(splat(x));

@@ -155,13 +155,15 @@ CLONES static void rope_store(float *qkv, const attn_args *a, const int64_t *seg
     }
 }
 
-/* The value pass for queries [c, c + 4) (lanes; the unused ones hold p = 0) and vectors
+#define KEYS_AHEAD 16 /* keys the score pass prefetches ahead */
+
+/* The value pass for queries [c, c + Q) (lanes; the unused ones hold p = 0) and vectors
  * [e0, e0 + W) of the head dimension: acc = sum_j p_j v_j over each query's own keys in order. */
-INLINE void values4(const float *v, int64_t d, int64_t e0, const int W, const float *st, int c, const int64_t *limit,
-                    float *const *outs, int nq, const float *sums) {
+INLINE void values_tile(const float *v, int64_t d, int64_t e0, const int Q, const int W, const float *st, int c,
+                        const int64_t *limit, float *const *outs, int nq, const float *sums) {
     v16 acc[4][4] = {{{0}}};
     int64_t common = INT64_MAX, most = 0;
-    for (int i = c; i < c + 4 && i < nq; i++) {
+    for (int i = c; i < c + Q && i < nq; i++) {
         common = limit[i] < common ? limit[i] : common;
         most = limit[i] > most ? limit[i] : most;
     }
@@ -170,21 +172,111 @@ INLINE void values4(const float *v, int64_t d, int64_t e0, const int W, const fl
         const float *vj = v + j * d + e0 * 16;
         v16 vv[4];
         for (int b = 0; b < W; b++) vv[b] = load16(vj + b * 16);
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < Q; i++) {
             v16 p = bcast(st[j * 16 + c + i]);
             for (int b = 0; b < W; b++) acc[i][b] += p * vv[b];
         }
     }
     for (; j < most; j++) { /* the causal edge: only the queries that see key j add it */
         const float *vj = v + j * d + e0 * 16;
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < Q; i++)
             if (c + i < nq && j < limit[c + i]) {
                 v16 p = bcast(st[j * 16 + c + i]);
                 for (int b = 0; b < W; b++) acc[i][b] += p * load16(vj + b * 16);
             }
     }
-    for (int i = 0; i < 4 && c + i < nq; i++)
+    for (int i = 0; i < Q && c + i < nq; i++)
         for (int b = 0; b < W; b++) store16(outs[c + i] + (e0 + b) * 16, acc[i][b] / splat(sums[c + i]));
+}
+
+/* values_tile for four queries and one vector (e0) in halves: the AVX2 form (see wide_registers). */
+INLINE void values_narrow(const float *v, int64_t d, int64_t e0, const float *st, int c, const int64_t *limit,
+                          float *const *outs, int nq, const float *sums) {
+    v8 acc[4][2] = {{{0}}};
+    int64_t common = INT64_MAX, most = 0;
+    for (int i = c; i < c + 4 && i < nq; i++) {
+        common = limit[i] < common ? limit[i] : common;
+        most = limit[i] > most ? limit[i] : most;
+    }
+    int64_t j = 0;
+    for (; j < common; j++) {
+        const float *vj = v + j * d + e0 * 16;
+        v8 v0 = load8(vj), v1 = load8(vj + 8);
+        for (int i = 0; i < 4; i++) {
+            v8 p = bcast8(st[j * 16 + c + i]);
+            acc[i][0] += p * v0;
+            acc[i][1] += p * v1;
+        }
+    }
+    for (; j < most; j++) {
+        const float *vj = v + j * d + e0 * 16;
+        for (int i = 0; i < 4; i++)
+            if (c + i < nq && j < limit[c + i]) {
+                v8 p = bcast8(st[j * 16 + c + i]);
+                acc[i][0] += p * load8(vj);
+                acc[i][1] += p * load8(vj + 8);
+            }
+    }
+    for (int i = 0; i < 4 && c + i < nq; i++) {
+        v8 s = (v8){} + sums[c + i];
+        store8(outs[c + i] + e0 * 16, acc[i][0] / s);
+        store8(outs[c + i] + e0 * 16 + 8, acc[i][1] / s);
+    }
+}
+
+/* scores_tile in halves, four keys at a time (AVX2: eight accumulators of 16). */
+INLINE int64_t scores_narrow(const float *k, int64_t d, const float *qt, float *st, int64_t keys) {
+    int64_t j = 0;
+    for (; j + 4 <= keys; j += 4) {
+        const float *k0 = k + j * d;
+        if (j + KEYS_AHEAD + 4 <= keys)
+            for (int64_t f = 0; f < 4 * d; f += 16) __builtin_prefetch(k0 + KEYS_AHEAD * d + f, 0, 3);
+        v8 s[4][2] = {{{0}}};
+        for (int64_t e = 0; e < d; e++) {
+            v8 q0 = load8(qt + e * 16), q1 = load8(qt + e * 16 + 8);
+            for (int i = 0; i < 4; i++) {
+                v8 b = bcast8(k0[i * d + e]);
+                s[i][0] += q0 * b;
+                s[i][1] += q1 * b;
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            store8(st + (j + i) * 16, s[i][0]);
+            store8(st + (j + i) * 16 + 8, s[i][1]);
+        }
+    }
+    for (; j < keys; j++) {
+        v8 s0 = {0}, s1 = {0};
+        for (int64_t e = 0; e < d; e++) {
+            v8 b = bcast8(k[j * d + e]);
+            s0 += load8(qt + e * 16) * b;
+            s1 += load8(qt + e * 16 + 8) * b;
+        }
+        store8(st + j * 16, s0);
+        store8(st + j * 16 + 8, s1);
+    }
+    return j;
+}
+
+/* The score pass: keys [j0, keys) against the transposed queries, KEYS keys at a time (KEYS FMA
+ * chains in flight), each lane summed over e in order; the rest one key at a time. */
+INLINE int64_t scores_tile(const float *k, int64_t d, const float *qt, float *st, int64_t keys, const int KEYS) {
+    int64_t j = 0;
+    for (; j + KEYS <= keys; j += KEYS) {
+        const float *k0 = k + j * d;
+        /* the keys KEYS_AHEAD on, a line every 16 floats: the keys are read in KEYS strided
+         * streams, which the hardware's prefetchers follow late (decode attention over 1,000
+         * cached tokens: 2.1-2.9 ms a step against 2.7-4.0 without) */
+        if (j + KEYS_AHEAD + KEYS <= keys)
+            for (int64_t f = 0; f < KEYS * d; f += 16) __builtin_prefetch(k0 + KEYS_AHEAD * d + f, 0, 3);
+        v16 s[8] = {{0}};
+        for (int64_t e = 0; e < d; e++) {
+            v16 qv = load16(qt + e * 16);
+            for (int i = 0; i < KEYS; i++) s[i] += qv * bcast(k0[i * d + e]);
+        }
+        for (int i = 0; i < KEYS; i++) store16(st + (j + i) * 16, s[i]);
+    }
+    return j;
 }
 
 /* One item of attention: up to 16 queries that read the same keys (one KV head of one segment),
@@ -198,7 +290,16 @@ INLINE void values4(const float *v, int64_t d, int64_t e0, const int W, const fl
  * query's own keys are set to -inf, then to exactly 0, and are skipped where they would add), and
  * its output sums p_j v_j over those keys in order. Which other queries share its vector, and how
  * many, changes no bit. */
-#define KEYS_AHEAD 16 /* keys the score pass prefetches ahead */
+/* Tile sizes by the vector registers there are: a v16 is one register with AVX-512 (32 of them),
+ * two with AVX2 (16): eight keys' scores, or four queries by four vectors of values, would spill
+ * there (measured on a 2-core Zen 3: attention over 1,000 cached tokens 1.0 ms a layer with the
+ * AVX-512 tiles, 13x what the arithmetic needs). Which tiles change no bit: every lane is summed
+ * in the same order whatever the tile. */
+static int wide_registers(void) {
+    static int wide = -1;
+    if (wide < 0) wide = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    return wide;
+}
 
 CLONES static void attend_group(const attn_args *a, const int64_t *seg, int64_t g, int64_t q0, int nq, float *qt,
                                 float *st) {
@@ -220,65 +321,58 @@ CLONES static void attend_group(const attn_args *a, const int64_t *seg, int64_t 
         }
         lims[i] = (int32_t)limit[i];
     }
-    v16i lim;
-    memcpy(&lim, lims, sizeof lim);
     for (int64_t e = 0; e < d; e++) { /* the queries transposed: qt[e] holds element e of each, scaled */
         float col[16];
         for (int i = 0; i < 16; i++) col[i] = qs[i] ? qs[i][e] * a->scale : 0.0f;
         memcpy(qt + e * 16, col, sizeof col);
     }
-    /* scores, key j in st[j * 16 ..]: eight keys at a time (eight FMA chains in flight), each
-     * lane summed over e in order */
-    int64_t j = 0;
-    for (; j + 8 <= keys; j += 8) {
-        const float *k0 = k + j * d;
-        /* the keys KEYS_AHEAD on, a line every 16 floats: eight keys are read in eight strided
-         * streams, which the hardware's prefetchers follow late (decode attention over 1,000
-         * cached tokens: 2.1-2.9 ms a step against 2.7-4.0 without) */
-        if (j + KEYS_AHEAD + 8 <= keys)
-            for (int64_t f = 0; f < 8 * d; f += 16) __builtin_prefetch(k0 + KEYS_AHEAD * d + f, 0, 3);
-        v16 s[8] = {{0}};
-        for (int64_t e = 0; e < d; e++) {
-            v16 qv = load16(qt + e * 16);
-            for (int i = 0; i < 8; i++) s[i] += qv * bcast(k0[i * d + e]);
-        }
-        for (int i = 0; i < 8; i++) store16(st + (j + i) * 16, s[i]);
-    }
+    /* scores, key j in st[j * 16 ..] */
+    const int wide = wide_registers();
+    int64_t j = wide ? scores_tile(k, d, qt, st, keys, 8) : scores_narrow(k, d, qt, st, keys);
     for (; j < keys; j++) {
         v16 s0 = {0};
         for (int64_t e = 0; e < d; e++) s0 += load16(qt + e * 16) * bcast(k[j * d + e]);
         store16(st + j * 16, s0);
     }
+    float sums[16];
     /* softmax per lane over its own keys: max, then exp and the sum in order (lanes past a
      * query's keys -inf, then exactly 0) */
-    const v16 ninf = splat(-INFINITY);
-    v16 mx = ninf;
-    for (j = 0; j < keys; j++) {
-        v16i seen = (v16i){0} + (int32_t)j < lim;
-        v16 s = (v16)((seen & (v16i)load16(st + j * 16)) | (~seen & (v16i)ninf));
-        store16(st + j * 16, s);
-        mx = vmax(mx, s);
+    for (int h = 0; h < 2; h++) { /* in halves of 8 lanes (see wide_registers) */
+        v8i lim8;
+        memcpy(&lim8, lims + 8 * h, sizeof lim8);
+        const v8 ninf = splat8(-INFINITY);
+        v8 mx = ninf;
+        for (j = 0; j < keys; j++) {
+            v8i seen = (v8i){0} + (int32_t)j < lim8;
+            v8 s = (v8)((seen & (v8i)load8(st + j * 16 + 8 * h)) | (~seen & (v8i)ninf));
+            store8(st + j * 16 + 8 * h, s);
+            mx = vmax8(mx, s);
+        }
+        mx = (v8)(((v8i){0} < lim8) & (v8i)mx); /* unused lanes: 0, not -inf (no inf - inf) */
+        v8 sum = {0};
+        for (j = 0; j < keys; j++) {
+            v8i seen = (v8i){0} + (int32_t)j < lim8;
+            v8 p = (v8)(seen & (v8i)vexp8(load8(st + j * 16 + 8 * h) - mx));
+            store8(st + j * 16 + 8 * h, p);
+            sum += p;
+        }
+        memcpy(sums + 8 * h, &sum, sizeof sum);
     }
-    mx = (v16)(((v16i){0} < lim) & (v16i)mx); /* unused lanes: 0, not -inf (no inf - inf) */
-    v16 sum = {0};
-    for (j = 0; j < keys; j++) {
-        v16i seen = (v16i){0} + (int32_t)j < lim;
-        v16 p = (v16)(seen & (v16i)vexp(load16(st + j * 16) - mx));
-        store16(st + j * 16, p);
-        sum += p;
-    }
-    float sums[16];
-    memcpy(sums, &sum, sizeof sums);
-    /* values, four queries and up to four vectors of the head dimension at a time (its d % 16
-     * tail one float at a time, in the same order) */
+    /* values, Q queries and up to W vectors of the head dimension at a time (AVX-512: 4 x 4,
+     * AVX2: 4 x 1 in halves; its d % 16 tail one float at a time, in the same order) */
     int64_t nv = d / 16, d16 = nv * 16;
-    for (int64_t e0 = 0; e0 < nv; e0 += 4)
-        for (int c = 0; c < nq; c += 4) switch (nv - e0 < 4 ? nv - e0 : 4) {
-            case 4: values4(v, d, e0, 4, st, c, limit, outs, nq, sums); break;
-            case 3: values4(v, d, e0, 3, st, c, limit, outs, nq, sums); break;
-            case 2: values4(v, d, e0, 2, st, c, limit, outs, nq, sums); break;
-            default: values4(v, d, e0, 1, st, c, limit, outs, nq, sums); break;
-            }
+    if (wide) {
+        for (int64_t e0 = 0; e0 < nv; e0 += 4)
+            for (int c = 0; c < nq; c += 4) switch (nv - e0 < 4 ? nv - e0 : 4) {
+                case 4: values_tile(v, d, e0, 4, 4, st, c, limit, outs, nq, sums); break;
+                case 3: values_tile(v, d, e0, 4, 3, st, c, limit, outs, nq, sums); break;
+                case 2: values_tile(v, d, e0, 4, 2, st, c, limit, outs, nq, sums); break;
+                default: values_tile(v, d, e0, 4, 1, st, c, limit, outs, nq, sums); break;
+                }
+    } else {
+        for (int64_t e0 = 0; e0 < nv; e0++)
+            for (int c = 0; c < nq; c += 4) values_narrow(v, d, e0, st, c, limit, outs, nq, sums);
+    }
     for (int64_t e = d16; e < d; e++)
         for (int i = 0; i < nq; i++) {
             float o = 0.0f;

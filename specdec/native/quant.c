@@ -252,27 +252,51 @@ void sd_pack_quant_as(const uint8_t *w, int64_t n, int64_t k, int fmt, int gener
 
 void sd_pack_quant(const uint8_t *w, int64_t n, int64_t k, int fmt, uint8_t *out) { sd_pack_quant_as(w, n, k, fmt, 0, out); }
 
-/* x's rows quantised per block of 32 into scratch (m * (k + 20 * k / 32) bytes). */
-static void quantise_rows(const float *x, int64_t m, int64_t k, uint8_t *scratch, sd_qargs *a) {
+INLINE float hmax8(v8 v) {
+    float f[8];
+    memcpy(f, &v, sizeof f);
+    float m = f[0];
+    for (int i = 1; i < 8; i++) m = f[i] > m ? f[i] : m;
+    return m;
+}
+
+INLINE float hsum8(v8 v) {
+    float f[8];
+    memcpy(f, &v, sizeof f);
+    return ((f[0] + f[4]) + (f[2] + f[6])) + ((f[1] + f[5]) + (f[3] + f[7]));
+}
+
+/* x's rows quantised per block of 32 into scratch (m * (k + 20 * k / 32) bytes): s = max|x| / 127,
+ * q = x / s rounded to nearest, ties to even (1.5 * 2^23 added and taken away: exact for |x / s|
+ * <= 127), sum(x) in one fixed tree. A row's quants depend on that row alone. */
+CLONES static void quantise_rows(const float *x, int64_t m, int64_t k, uint8_t *scratch, sd_qargs *a) {
     int64_t nb = k / QBLOCK;
     int8_t *xq = (int8_t *)scratch;
     float *xs = (float *)(scratch + m * k), *xsum = xs + m * nb;
     int32_t *xq128 = (int32_t *)(xsum + m * nb), *xqs = xq128 + m * nb;
+    const v8i magnitude = (v8i){0} + 0x7fffffff;
+    const v8 shifter = splat8(12582912.0f), lim = splat8(127.0f);
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + r * k + b * QBLOCK;
-            float amax = 0.0f, sum = 0.0f;
-            for (int i = 0; i < QBLOCK; i++) {
-                amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-                sum += xb[i];
+            v8 v[4], mx = {0};
+            for (int i = 0; i < 4; i++) {
+                v[i] = load8(xb + 8 * i);
+                mx = vmax8((v8)((v8i)v[i] & magnitude), mx);
             }
+            float amax = hmax8(mx), sum = hsum8((v[0] + v[1]) + (v[2] + v[3]));
             float s = amax / 127.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
             int32_t qs[2] = {0, 0};
-            for (int i = 0; i < QBLOCK; i++) {
-                int q = (int)lrintf(xb[i] * inv);
-                q = q > 127 ? 127 : q < -127 ? -127 : q;
-                xq[r * k + b * QBLOCK + i] = (int8_t)q;
-                qs[i / 16] += q;
+            for (int i = 0; i < 4; i++) {
+                v8 t = (v[i] * splat8(inv) + shifter) - shifter;
+                t = vmin8(vmax8(t, -lim), lim);
+                v8i q = __builtin_convertvector(t, v8i);
+                int32_t lanes[8];
+                memcpy(lanes, &q, sizeof lanes);
+                for (int l = 0; l < 8; l++) {
+                    xq[r * k + b * QBLOCK + 8 * i + l] = (int8_t)lanes[l];
+                    qs[i / 2] += lanes[l];
+                }
             }
             int64_t at = r * nb + b;
             xs[at] = s;
