@@ -19,7 +19,7 @@ class DraftSettings(ModelServiceSettings):
 
     backend: Literal["auto", "native", "llamacpp", "transformers", "ngram"] = Field(
         "auto", description="Draft backend: native (a GGUF draft on specdec's own kernels: Llama and GPT-2 files of "
-                            "Q4_1 / Q8_0 linears, on CPUs with AVX-512 VNNI), llamacpp (any GGUF, llama.cpp), auto "
+                            "Q4_0 ... Q8_0 and K-quant linears, on CPUs with AVX2), llamacpp (any GGUF, llama.cpp), auto "
                             "(native where it applies, else llamacpp; the log says which and why), transformers (any "
                             "causal LM), ngram (prompt lookup).",
     )

@@ -12,6 +12,12 @@ settings for a lone stream (all cores to whichever model computes, as when they 
   after ``--context`` tokens (llama.cpp: the model converted to GGUF at QUANT by
   ``specdec.gguf_convert``, as the draft service does; transformers: ``TransformersProposer``).
 
+With ``--target-quant T`` the target is its GGUF conversion at T (``SPECDEC_TARGET_QUANT``'s
+path: the file computed in its own format on specdec's kernels). ``--llama-bench`` adds llama.cpp's
+own speculation priced the same way: llama-bench's eval of 1 … ``--max-k`` + 1 rows on the same
+target file, and its one-token step of each llamacpp draft's file, both after ``--context``
+tokens of depth (``-d``), fed to the same cost model.
+
 The projection prices a step drafting k tokens with the orchestrator's own cost model
 (``orchestrator.controller.CostModel``: the verify curve by rows and the per-token draft fit, fed
 with the measurements above), and takes the expected tokens per step at a per-token acceptance a
@@ -72,6 +78,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m evaluation.pairprice", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--target", default="random:gpt2", help="target model (default random:gpt2)")
+    p.add_argument("--target-quant", default=None,
+                   help="run the target on its GGUF conversion at this type (q8_0, q4_k_m, ...; default: fp32)")
+    p.add_argument("--llama-bench", nargs="?", const="build", default=None, metavar="DIR",
+                   help="also price llama.cpp's own speculation from llama-bench on the same files (needs "
+                        "--target-quant; DIR: a folder made by scripts/build_llama_server.sh, default: build or "
+                        "reuse the cached one)")
+    p.add_argument("--threads", type=int, default=0, help="llama-bench's threads (default: every core)")
     p.add_argument("--drafts", nargs="+", type=parse_draft,
                    default=[parse_draft(s) for s in (
                        "random:distilgpt2@transformers", "random:distilgpt2@native:q8_0", "random:distilgpt2@llamacpp:f16",
@@ -89,6 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for a in args.acceptances:
         if not 0 <= a < 1:
             p.error(f"acceptance {a} must be in [0, 1)")
+    if args.llama_bench and not args.target_quant:
+        p.error("--llama-bench prices llama.cpp on the target's GGUF file: give --target-quant too")
     if not 1 <= args.max_k <= 31:
         p.error("--max-k must be 1 to 31 (the target engine verifies up to 32 draft tokens)")
     return args
@@ -98,13 +113,15 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1000, 20000) for _ in range(n)]
 
 
-def target_costs(target: str, rows: list[int], context: int, repeats: int) -> dict[int, float]:
+def target_costs(target: str, rows: list[int], context: int, repeats: int, quant: str | None = None
+                 ) -> dict[int, float]:
     """Median ms of one target pass of q new rows (1: a plain step) after ``context`` cached tokens:
-    ``evaluation.batchcost``'s measurement for one session on specdec's runner."""
+    ``evaluation.batchcost``'s measurement for one session on specdec's runner (on the target's
+    GGUF conversion at ``quant`` when given)."""
     from evaluation.batchcost import target_costs as batch_costs
 
     costs, _ = batch_costs(argparse.Namespace(target=target, rows=rows, batches=[1], context=context, repeats=repeats,
-                                              kernels=["runner"], native_against=None))
+                                              kernels=["runner"], native_against=None, target_quant=quant))
     return {q: costs[("runner", 1, q)] for q in rows}
 
 
@@ -149,6 +166,27 @@ def draft_cost(proposer, context: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def llama_bench_costs(llama_dir: Path, model: Path, rows: list[int] | None, context: int, threads: int
+                      ) -> dict[int, float]:
+    """llama-bench's ms per eval of each row count in ``rows`` (None: one generated token, the
+    draft's step) after ``context`` tokens of depth, on ``threads`` threads."""
+    import json
+    import subprocess
+
+    cmd = [str(llama_dir / "bin" / "llama-bench"), "-m", str(model), "-t", str(threads), "-d", str(context),
+           "-r", "5", "-o", "json"]
+    cmd += ["-p", ",".join(map(str, rows)), "-n", "0"] if rows else ["-p", "0", "-n", "32"]
+    logger.info("llama-bench: %s", " ".join(cmd[1:]))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"llama-bench failed ({done.returncode}): {done.stderr[-1500:]}")
+    out = {}
+    for r in json.loads(done.stdout):
+        n = r.get("n_prompt") or 0
+        out[n or 1] = 1e3 * (n or 1) / float(r["avg_ts"])
+    return out
+
+
 def projected_speedup(verify_ms: dict[int, float], draft_token_ms: float, acceptance: float, max_k: int
                       ) -> tuple[float, int]:
     """(speedup over plain decoding, best k) for a lone stream, priced by the orchestrator's cost model."""
@@ -171,19 +209,53 @@ def projected_speedup(verify_ms: dict[int, float], draft_token_ms: float, accept
 
 
 def render(args: argparse.Namespace, verify_ms: dict[int, float], drafts: dict[str, float],
-           projection: dict[str, dict[float, tuple[float, int]]]) -> str:
+           projection: dict[str, dict[float, tuple[float, int]]], llama: dict[str, Any] | None = None) -> str:
     plain = verify_ms[1]
+    passes = {"specdec": verify_ms, **({"llama.cpp": llama["verify_ms"]} if llama else {})}
     lines = ["Target passes (ms):", "",
-             "| rows | " + " | ".join(str(q) for q in verify_ms) + " |", "|---|" + "---:|" * len(verify_ms),
-             "| ms | " + " | ".join(report.fmt(v) for v in verify_ms.values()) + " |", ""]
-    head = ["draft", "ms per token", "÷ target step", *(f"a = {a:g}" for a in args.acceptances)]
-    lines += ["Projected speedup over plain decoding (best k), by per-token acceptance a:", "",
-              "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for label, ms in drafts.items():
-        cells = [f"`{label}`", report.fmt(ms), f"{ms / plain:.2f}",
-                 *(f"{s:.2f}× (k={k})" for s, k in projection[label].values())]
+             "| engine | " + " | ".join(f"{q} row{'s' if q > 1 else ''}" for q in verify_ms) + " |", "|---|" + "---:|" * len(verify_ms)]
+    for engine, by_rows in passes.items():
+        lines.append(f"| {engine} | " + " | ".join(report.fmt(by_rows[q]) if q in by_rows else "–" for q in verify_ms)
+                     + " |")
+    head = ["engine", "draft", "ms per token", "÷ target step", *(f"a = {a:g}" for a in args.acceptances)]
+    lines += ["", "Projected speedup over the engine's own plain decoding (best k), and tokens/s, by per-token "
+              "acceptance a:", "", "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    rows = [("specdec", plain, label, ms, projection[label]) for label, ms in drafts.items()]
+    if llama:
+        rows += [("llama.cpp", llama["verify_ms"][1], label, ms, llama["projection"][label])
+                 for label, ms in llama["draft_token_ms"].items()]
+    for engine, step_ms, label, ms, by_a in rows:
+        cells = [engine, f"`{label}`", report.fmt(ms), f"{ms / step_ms:.2f}",
+                 *(f"{s:.2f}× (k={k}), {1e3 * s / step_ms:.1f} tok/s" for s, k in by_a.values())]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def measure_llama(args: argparse.Namespace, target: str) -> dict[str, Any]:
+    """llama.cpp's own pair, priced as specdec's: its verify curve on the target's file and its
+    step on each llamacpp draft's file (llama-bench), projected with the same cost model."""
+    import os
+
+    from evaluation.batchcost import resolve_target
+    from evaluation.peer import build_llama, check_llama_dir
+    from specdec.gguf_convert import draft_gguf
+    from specdec.settings import default_cache_dir
+    from target_service.engine import target_gguf
+
+    folder = build_llama() if args.llama_bench == "build" else Path(args.llama_bench)
+    check_llama_dir(folder)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    target_file = target_gguf(target, args.target_quant, default_cache_dir())
+    verify = llama_bench_costs(folder, target_file, list(range(1, args.max_k + 2)), args.context, threads)
+    drafts = {}
+    for spec in args.drafts:
+        if spec.backend != "llamacpp":
+            continue
+        path = draft_gguf(resolve_target(spec.model), target, spec.quant, default_cache_dir())
+        drafts[spec.label] = llama_bench_costs(folder, path, None, args.context, threads)[1]
+    projection = {label: {a: projected_speedup(verify, ms, a, args.max_k) for a in args.acceptances}
+                  for label, ms in drafts.items()}
+    return {"verify_ms": verify, "draft_token_ms": drafts, "projection": projection, "llama_dir": str(folder)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_torch(0)  # as the target service: all cores, bounded spin
     target = resolve_target(args.target)
     rows = list(range(1, args.max_k + 2))
-    verify_ms = target_costs(target, rows, args.context, args.repeats)
+    verify_ms = target_costs(target, rows, args.context, args.repeats, args.target_quant)
     logger.info("target: plain step %.1f ms, %d rows %.1f ms", verify_ms[1], rows[-1], verify_ms[rows[-1]])
     drafts: dict[str, float] = {}
     for spec in args.drafts:
@@ -206,11 +278,15 @@ def main(argv: list[str] | None = None) -> int:
         del proposer
     projection = {label: {a: projected_speedup(verify_ms, ms, a, args.max_k) for a in args.acceptances}
                   for label, ms in drafts.items()}
-    table = render(args, verify_ms, drafts, projection)
+    llama = measure_llama(args, target) if args.llama_bench else None
+    table = render(args, verify_ms, drafts, projection, llama)
     results: dict[str, Any] = {
         "command": command, "target": args.target, "verify_ms": verify_ms, "draft_token_ms": drafts,
         "projection": {label: {str(a): {"speedup": s, "k": k} for a, (s, k) in by_a.items()}
                        for label, by_a in projection.items()},
+        "target_quant": args.target_quant,
+        **({"llama_cpp": {**llama, "projection": {label: {str(a): {"speedup": s, "k": k} for a, (s, k) in by_a.items()}
+                                                  for label, by_a in llama["projection"].items()}}} if llama else {}),
     }
     write_results(out, results)
     (out / "results.md").write_text(f"# Pair prices\n\nCommand: `{command}`\n\n{table}\n")

@@ -495,8 +495,12 @@ class CostController(Controller):
     past position j - 1 went on to j (:meth:`continue_at`), counted like acceptance. Priced at k
     itself, a long k looks as dear as a draft that never stops early, and the controller chose
     shorter drafts than fixed k = 8 on the embedded pair. While a cost is unknown the
-    controller explores; after choosing k = 0 it probes a small draft every ``probe_every`` steps
-    so it notices when the text becomes predictable again.
+    controller explores; after choosing k = 0 it probes a small draft ``probe_every`` plain steps
+    later so it notices when the text becomes predictable again, and twice as many plain steps
+    after each probe that still leaves k = 0 the best (up to MAX_PROBE_GAP): a probe costs the
+    draft's catch-up on every token it missed plus a verify of two rows, and where speculation
+    cannot pay at all (a quantised target whose step costs what a draft token does) probes every
+    8 steps cost 10-18 % of plain decoding's speed (docs/performance.md).
 
     Costs are properties of the deployment, not of the text, so the orchestrator passes one
     process-wide :class:`CostModel` to every request's controller. Acceptance depends on the text,
@@ -528,12 +532,14 @@ class CostController(Controller):
             own.successes, own.failures = 4.0, 1.0
         self.own = own
         self._plain_steps = 0
+        self._probe_gap = probe_every  # plain steps before the next probe
         self.last_choice: dict[int, float] = {}  # expected tokens/ms by k at the last decision
 
     POSITION_DECAY = 0.95  # per step with a draft: position counts fill slower than alpha's
     POSITION_PRIOR = 2.0  # pseudo-steps at alpha behind each position's own count
     ALPHA_PRIOR = 5.0  # pseudo-tokens of alpha a request starts with
     HISTORY_PRIOR = 4.0  # at most this many pseudo-steps per position taken from earlier requests
+    MAX_PROBE_GAP = 64  # plain steps between probes at most
 
     @property
     def alpha(self) -> float:
@@ -610,10 +616,13 @@ class CostController(Controller):
         self.probing = False
         if best == 0:
             self._plain_steps += 1
-            if self._plain_steps % self.probe_every == 0:
+            if self._plain_steps >= self._probe_gap:
                 best, self.probing = 1, True
+                self._plain_steps = 0
+                self._probe_gap = max(min(2 * self._probe_gap, self.MAX_PROBE_GAP), self.probe_every)
         else:
             self._plain_steps = 0
+            self._probe_gap = self.probe_every
         self.k = best
         return best
 

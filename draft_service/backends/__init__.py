@@ -48,11 +48,14 @@ BACKENDS: dict[str, Callable[[DraftSettings], Proposer]] = {
 
 def native_unavailable(settings: DraftSettings) -> str | None:
     """None when the native backend serves this draft well, else why not (``auto`` then takes
-    llamacpp): the draft's GGUF must be a Llama or GPT-2 file of Q4_1 or Q8_0 linears, and this
-    CPU must have AVX-512 VNNI (the portable kernel is correct but far slower than llama.cpp)."""
+    llamacpp): the draft's GGUF must be a Llama or GPT-2 file quantised to types specdec.native
+    computes, and this CPU must run its vector kernels for them (AVX2, or AVX-512 VNNI for Q4_1 and
+    Q8_0; the portable kernel is correct but far slower than llama.cpp). On a Zen 3 with AVX2 only
+    the embedded Q4_1 draft cost 7.2 ms a token native against 9.3 through llama.cpp
+    (docs/performance.md, "A draft on specdec's kernels")."""
     from specdec.gguf_convert import draft_gguf
     from specdec.gguf_file import GGUFFile
-    from specdec.gguf_model import file_type, unsupported
+    from specdec.gguf_model import FLOAT_TYPES, file_type, unsupported
     from specdec.native import QUANT_FORMATS, kernels
 
     if settings.gpu_layers:
@@ -60,12 +63,15 @@ def native_unavailable(settings: DraftSettings) -> str | None:
     native = kernels()
     if native is None:
         return "specdec.native is unavailable (see the log)"
-    if native.quant_isa("Q4_1") != "avx512-vnni":
-        return f"this CPU has no AVX-512 VNNI (specdec.native's quantised linears run {native.quant_isa('Q4_1')})"
     gguf = GGUFFile(draft_gguf(settings.model, settings.target_model, settings.quant, settings.cache_dir))
     why = unsupported(gguf)
-    if why is None and file_type(gguf) not in QUANT_FORMATS:
-        why = f"a {file_type(gguf)} file (specdec.native reads {' and '.join(QUANT_FORMATS)})"
+    types = {tensor.type_name for tensor in gguf.tensors.values()}
+    quantised = sorted(types & set(QUANT_FORMATS))
+    if why is None and (not quantised or types - set(QUANT_FORMATS) - set(FLOAT_TYPES)):
+        why = f"a {file_type(gguf)} file (specdec.native reads files quantised to {', '.join(QUANT_FORMATS)})"
+    slow = [t for t in quantised if native.quant_isa(t) == "baseline"]
+    if why is None and slow:
+        why = f"this CPU has no AVX2 (specdec.native's {', '.join(slow)} linears would run the portable kernel)"
     return why
 
 

@@ -1,10 +1,10 @@
-"""Draft backend on specdec's own kernels: a GGUF draft (Q4_1 / Q8_0) run by specdec.runner.
+"""Draft backend on specdec's own kernels: a quantised GGUF draft run by specdec.runner.
 
 The same file the llamacpp backend runs (the embedded Q4_1 draft, or any model converted to GGUF),
-loaded by specdec.gguf_model: its linears compute on the file's quantised blocks with AVX-512 VNNI
-(specdec.native), everything else on the runner the target uses, sessions on the engine's KV
-buffers. On the machines measured a draft token costs ~40 % less than through llama.cpp
-(docs/performance.md, "A draft on specdec's kernels"). Batching, prefix reuse, crop and
+loaded by specdec.gguf_model: its linears compute on the file's quantised blocks with AVX2 (AVX-512
+VNNI for Q4_1 and Q8_0 where the CPU has it; specdec.native), everything else on the runner the
+target uses, sessions on the engine's KV buffers. On the machines measured a draft token costs
+22-40 % less than through llama.cpp (docs/performance.md, "A draft on specdec's kernels"). Batching, prefix reuse, crop and
 eviction are the transformers backend's, since the engine is the same.
 """
 

@@ -24,7 +24,8 @@ from specdec.native import kernels
 from specdec.sessions import SessionStore
 from tests.support import ROOT, make_bpe_model
 
-VNNI = (k := kernels()) is not None and k.quant_isa("Q4_1") == "avx512-vnni"
+# auto takes the native draft where specdec.native's vector kernels run (AVX2 or AVX-512 VNNI)
+VECTOR = (k := kernels()) is not None and k.quant_isa("Q4_1") != "baseline"
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was", "1, 2, 3, 4,",
          "Speculative decoding lets a small model", "The weather today"]
 
@@ -186,25 +187,27 @@ def test_embedded_draft_keeps_its_sessions_and_agrees_with_its_fp32_forward():
 def test_auto_takes_native_where_it_applies_and_says_why_not(ggufs):
     settings = DraftSettings(_cli_parse_args=[], backend="auto")
     why = native_unavailable(settings)
-    assert (why is None) == VNNI, why
-    assert resolve_backend(settings) == ("native" if VNNI else "llamacpp")
+    assert (why is None) == VECTOR, why
+    assert resolve_backend(settings) == ("native" if VECTOR else "llamacpp")
     f16 = DraftSettings(_cli_parse_args=[], backend="auto", model=str(ggufs["llama-f16"]))
     assert resolve_backend(f16) == "llamacpp"
-    assert "a F16 file" in native_unavailable(f16) if VNNI else "VNNI" in native_unavailable(f16)
+    assert "a F16 file" in native_unavailable(f16) if VECTOR else "AVX2" in native_unavailable(f16)
     assert resolve_backend(DraftSettings(_cli_parse_args=[], backend="llamacpp")) == "llamacpp"
     gpu = DraftSettings(_cli_parse_args=[], backend="auto", gpu_layers=-1)  # llama.cpp offloads; native is CPU only
     assert resolve_backend(gpu) == "llamacpp" and "GPU" in native_unavailable(gpu)
 
 
-def test_auto_without_vnni_runs_llama_cpp(tmp_path):
-    """A CPU without AVX-512 VNNI (capped here by SPECDEC_NATIVE_ISA) gets the llama.cpp draft."""
+def test_auto_without_vector_kernels_runs_llama_cpp(tmp_path):
+    """A CPU without AVX2 (capped here by SPECDEC_NATIVE_ISA) gets the llama.cpp draft; one with
+    AVX2 but no VNNI (capped at avx2) gets the native one."""
     script = ("from draft_service.backends import resolve_backend\n"
               "from draft_service.settings import DraftSettings\n"
               "print(resolve_backend(DraftSettings(_cli_parse_args=[], backend='auto')))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "SPECDEC_NATIVE_ISA": "avx2", "HOME": str(tmp_path)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-1] == "llamacpp"
+    for cap, backend in (("baseline", "llamacpp"), ("avx2", "native")):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                              env={"PATH": "/usr/bin:/bin", "SPECDEC_NATIVE_ISA": cap, "HOME": str(tmp_path)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split()[-1] == backend, cap
 
 
 def _falcon_gguf(folder) -> object:
@@ -252,7 +255,7 @@ def test_the_draft_service_bounds_its_openmp_spin_before_choosing_a_backend(tmp_
     assert "GOMP_SPINCOUNT=20000" in log and "torch was imported before configure_torch" not in log, log[-2000:]
 
 
-@pytest.mark.skipif(not VNNI, reason="auto takes llama.cpp on a CPU without AVX-512 VNNI anyway")
+@pytest.mark.skipif(not VECTOR, reason="auto takes llama.cpp on a CPU without AVX2 anyway")
 def test_auto_falls_back_to_llama_cpp_when_the_native_load_fails(monkeypatch, caplog):
     """A file auto admits (architecture and type) may still hold a tensor the runner has no place
     for; the service then starts on llama.cpp with the reason logged, instead of failing."""

@@ -94,13 +94,40 @@ def test_cost_controller_turns_speculation_off_when_it_does_not_pay():
     assert c.next_k() == 0
 
 
-def test_cost_controller_probes_after_choosing_zero():
+def test_cost_controller_probes_after_choosing_zero_ever_more_rarely():
+    """After k = 0 it probes with one draft token in place of the 3rd plain step, then of the 6th,
+    12th, ...: each probe that still leaves k = 0 best doubles the gap (up to MAX_PROBE_GAP)."""
     c = CostController(4, 8, probe_every=3)
-    for _ in range(40):
+    ks = []
+    for _ in range(200):
         k = c.next_k()
+        ks.append(k)
         c.observe(step(k, k, 0, draft_ms=35.0 * max(k, 1), verify_ms=40 + 5.0 * k))
-    picks = [c.next_k() for _ in range(6)]
-    assert 0 in picks and 1 in picks
+    first_plain = ks.index(0)
+    probes = [i for i in range(first_plain, len(ks)) if ks[i] > 0]
+    assert set(ks[first_plain:]) == {0, 1}
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:3] == [6, 12, 24] and max(gaps) == CostController.MAX_PROBE_GAP
+    assert probes[0] - first_plain == 2
+
+
+def test_probe_gap_resets_once_speculation_pays_again():
+    """The same draft costs throughout: nothing accepted (the probes grow apart), then everything
+    (an accepted probe brings drafting back, and the gap starts again from probe_every)."""
+    c = CostController(4, 8, probe_every=3)
+    for _ in range(10):  # cheap drafts, accepted: the controller learns the costs
+        k = c.next_k()
+        c.observe(step(k, k, k, draft_ms=2 + 8.0 * k, verify_ms=40 + 3.0 * k))
+    for _ in range(80):
+        k = c.next_k()
+        c.observe(step(k, k, 0, draft_ms=2 + 8.0 * k, verify_ms=40 + 3.0 * k))
+    assert c._probe_gap > 3
+    ks = []
+    for _ in range(150):
+        k = c.next_k()
+        ks.append(k)
+        c.observe(step(k, k, k, draft_ms=2 + 8.0 * k, verify_ms=40 + 3.0 * k))
+    assert min(ks[-20:]) > 0 and c._probe_gap == 3
 
 
 def test_cost_model_fits_verify_and_draft_lines():

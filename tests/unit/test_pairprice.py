@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from evaluation.pairprice import DraftSpec, parse_args, parse_draft, projected_speedup
+from evaluation.pairprice import DraftSpec, parse_args, parse_draft, projected_speedup, render
 
 
 def test_draft_specs():
@@ -43,3 +43,26 @@ def test_projection_follows_the_costs():
     assert projected_speedup(flat, 10.0, 0.6, 8) == (1.0, 0)
     # higher acceptance, longer drafts
     assert projected_speedup(flat, 1.0, 0.95, 8)[1] >= projected_speedup(flat, 1.0, 0.6, 8)[1]
+
+
+def test_llama_cpp_is_priced_on_the_targets_gguf_only():
+    with pytest.raises(SystemExit):
+        parse_args(["--llama-bench"])  # no --target-quant: no file both engines compute
+    args = parse_args(["--llama-bench", "/x", "--target-quant", "q4_k_m"])
+    assert (args.llama_bench, args.target_quant) == ("/x", "q4_k_m")
+    assert parse_args(["--llama-bench", "--target-quant", "q8_0"]).llama_bench == "build"
+
+
+def test_the_table_sets_each_engine_against_its_own_plain_step():
+    args = parse_args(["--acceptances", "0.8", "--max-k", "2", "--drafts", "embedded@native", "embedded@llamacpp"])
+    ours = {1: 10.0, 2: 11.0, 3: 12.0}
+    theirs = {1: 8.0, 2: 14.0, 3: 20.0}
+    llama = {"verify_ms": theirs, "draft_token_ms": {"embedded@llamacpp": 4.0},
+             "projection": {"embedded@llamacpp": {0.8: projected_speedup(theirs, 4.0, 0.8, 2)}}}
+    table = render(args, ours, {"embedded@native": 2.0},
+                   {"embedded@native": {0.8: projected_speedup(ours, 2.0, 0.8, 2)}}, llama)
+    lines = table.splitlines()
+    assert "| specdec | 10.0 | 11.0 | 12.0 |" in lines and "| llama.cpp | 8.0 | 14.0 | 20.0 |" in lines
+    ours_speedup, k = projected_speedup(ours, 2.0, 0.8, 2)
+    assert f"{ours_speedup:.2f}× (k={k}), {100 * ours_speedup:.1f} tok/s" in table
+    assert "| llama.cpp | `embedded@llamacpp` | 4.0 | 0.50 |" in table  # against llama.cpp's own step
