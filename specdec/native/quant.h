@@ -267,37 +267,34 @@ SD_AVX2 INLINE __m256i bits_to_bytes(uint32_t bits) {
     return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
 }
 
-SD_AVX2 INLINE v16 half16_avx2(const uint8_t *p) {
-    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
-    v16 r;
-    memcpy(&r, &lo, 32);
-    memcpy((char *)&r + 32, &hi, 32);
-    return r;
+/* Eight fp16 (columns 8h .. 8h + 7) as floats. */
+SD_AVX2 INLINE __m256 half8_avx2(const uint8_t *p, int h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
 }
 
-SD_AVX2 INLINE v16 bytes16_avx2(const uint8_t *p, const int is_signed) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m256i lo = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-    __m256i hi = is_signed ? _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)) : _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    __m256 flo = _mm256_cvtepi32_ps(lo), fhi = _mm256_cvtepi32_ps(hi);
-    v16 r;
-    memcpy(&r, &flo, 32);
-    memcpy((char *)&r + 32, &fhi, 32);
-    return r;
+/* Eight bytes (columns 8h .. 8h + 7) as floats, signed or not. */
+SD_AVX2 INLINE __m256 bytes8_avx2(const uint8_t *p, int h, const int is_signed) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)(p + 8 * h));
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 }
 
-SD_AVX2 INLINE void scales_avx2(const int fam, const uint8_t *head, int s, v16 *d, v16 *dh, v16 *m) {
-    v16 d0 = half16_avx2(head);
-    if (fam == SC_D) { *d = *dh = d0; *m = splat(0.0f); }
-    else if (fam == SC_DM) { *d = *dh = d0; *m = half16_avx2(head + 32); }
-    else if (fam == SC_K) {
-        *d = *dh = d0 * bytes16_avx2(head + 64 + s * 16, 0);
-        *m = -(half16_avx2(head + 32) * bytes16_avx2(head + 192 + s * 16, 0));
-    } else {
-        *d = d0 * bytes16_avx2(head + 32 + 2 * s * 16, 1);
-        *dh = d0 * bytes16_avx2(head + 32 + (2 * s + 1) * 16, 1);
-        *m = splat(0.0f);
+/* A unit's scales for sub-block s by half (columns 0..7, 8..15), as scales_base computes them;
+ * in __m256 halves throughout: GCC moves a v16 through memory on AVX2 (the K-quants' scales were
+ * ~38 % of a one-row pass that way). */
+SD_AVX2 INLINE void scales_avx2(const int fam, const uint8_t *head, int s, __m256 d[2], __m256 dh[2], __m256 m[2]) {
+    for (int h = 0; h < 2; h++) {
+        __m256 d0 = half8_avx2(head, h);
+        if (fam == SC_D) { d[h] = dh[h] = d0; m[h] = _mm256_setzero_ps(); }
+        else if (fam == SC_DM) { d[h] = dh[h] = d0; m[h] = half8_avx2(head + 32, h); }
+        else if (fam == SC_K) {
+            d[h] = dh[h] = _mm256_mul_ps(d0, bytes8_avx2(head + 64 + s * 16, h, 0));
+            m[h] = _mm256_xor_ps(_mm256_mul_ps(half8_avx2(head + 32, h), bytes8_avx2(head + 192 + s * 16, h, 0)),
+                                 _mm256_set1_ps(-0.0f));
+        } else {
+            d[h] = _mm256_mul_ps(d0, bytes8_avx2(head + 32 + 2 * s * 16, h, 1));
+            dh[h] = _mm256_mul_ps(d0, bytes8_avx2(head + 32 + (2 * s + 1) * 16, h, 1));
+            m[h] = _mm256_setzero_ps();
+        }
     }
 }
 
@@ -319,11 +316,6 @@ typedef struct {
     __m256i w[8][2], wa[8][2]; /* vector j, half h (8-bit: w signed, wa = |w|) */
     __m256 d[2], dh[2], m[2];  /* scales by half: columns 0..7, 8..15 */
 } qblock_avx2;
-
-SD_AVX2 INLINE void halves(v16 v, __m256 out[2]) {
-    memcpy(&out[0], &v, 32);
-    memcpy(&out[1], (const char *)&v + 32, 32);
-}
 
 /* R rows from `row` of x against one unpacked block: acc[r][h] += the block's sums, scaled (the
  * same operations for every row, whatever R: a row's bits never depend on its neighbours). */
@@ -410,11 +402,7 @@ SD_AVX2 INLINE void qpanels_avx2(const sd_qargs *a, int64_t p0, int64_t p1, cons
                         blk.w[j][h] = unpack_avx2(q, bits, j, h);
                         if (bits == 8) blk.wa[j][h] = _mm256_abs_epi8(blk.w[j][h]);
                     }
-                v16 d, dh, m;
-                scales_avx2(fam, u, (int)(b % spu), &d, &dh, &m);
-                halves(d, blk.d);
-                halves(dh, blk.dh);
-                halves(m, blk.m);
+                scales_avx2(fam, u, (int)(b % spu), blk.d, blk.dh, blk.m);
                 int64_t r = 0;
                 for (; r + 2 <= rows; r += 2) qrows_avx2(a, &blk, m0 + r, b, 2, bits, fam, z, acc + r);
                 if (r < rows) qrows_avx2(a, &blk, m0 + r, b, 1, bits, fam, z, acc + r);
