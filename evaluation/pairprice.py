@@ -212,8 +212,8 @@ def render(args: argparse.Namespace, verify_ms: dict[int, float], drafts: dict[s
            projection: dict[str, dict[float, tuple[float, int]]], llama: dict[str, Any] | None = None) -> str:
     plain = verify_ms[1]
     passes = {"specdec": verify_ms, **({"llama.cpp": llama["verify_ms"]} if llama else {})}
-    lines = ["Target passes (ms):", "",
-             "| engine | " + " | ".join(f"{q} row{'s' if q > 1 else ''}" for q in verify_ms) + " |", "|---|" + "---:|" * len(verify_ms)]
+    heads = " | ".join(f"{q} row{'s' if q > 1 else ''}" for q in verify_ms)
+    lines = ["Target passes (ms):", "", f"| engine | {heads} |", "|---|" + "---:|" * len(verify_ms)]
     for engine, by_rows in passes.items():
         lines.append(f"| {engine} | " + " | ".join(report.fmt(by_rows[q]) if q in by_rows else "–" for q in verify_ms)
                      + " |")

@@ -15,12 +15,15 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.auth import add_api_key_auth, may_see_details
 from orchestrator.openai_api import router as openai_router
+from orchestrator.openai_errors import OpenAIError, error_bytes, is_openai_path, param_of
 from orchestrator.runtime import READY_RECHECK_S, Runtime, connect, keep_connected
 from orchestrator.schemas import GenerateRequest, GenerateResponse
 from orchestrator.server_stats import router as server_router
@@ -58,7 +61,7 @@ class BodyLimit:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(send)
+            return await self._reject(scope, send)
         if scope.get("method") in ("GET", "HEAD", "OPTIONS") and declared is None \
                 and b"chunked" not in headers.get(b"transfer-encoding", b""):
             return await self.app(scope, receive, send)
@@ -71,7 +74,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await self._reject(send)
+                return await self._reject(scope, send)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -86,8 +89,10 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send: Any) -> None:
-        body = json.dumps({"detail": f"request body over {self.max_bytes} bytes"}).encode()
+    async def _reject(self, scope: dict, send: Any) -> None:
+        message = f"request body over {self.max_bytes} bytes"
+        body = (error_bytes(413, message) if is_openai_path(scope.get("path", ""))
+                else json.dumps({"detail": message}).encode())
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -95,7 +100,16 @@ class BodyLimit:
 
 def _validation_error(request: Request, exc: RequestValidationError) -> Response:
     """422 with pydantic's errors, made safe to render: an echoed input may hold a lone surrogate
-    or NaN, which the default handler fails to encode (a 500 for a client's mistake)."""
+    or NaN, which the default handler fails to encode (a 500 for a client's mistake). On the
+    OpenAI routes: a 400 in OpenAI's shape, naming the first field at fault."""
+    if is_openai_path(request.url.path):
+        first = (exc.errors() or [{}])[0]
+        param = param_of(first.get("loc"))
+        if first.get("type") == "json_invalid":
+            message, param = f"the body is not valid JSON: {first.get('msg', '')}", None
+        else:
+            message = "; ".join(f"{param_of(e.get('loc')) or 'body'}: {_plain(e.get('msg', ''))}" for e in exc.errors())
+        return Response(error_bytes(400, message, param), status_code=400, media_type="application/json")
     errors = []
     for error in exc.errors():
         item = {"loc": list(error.get("loc", ())), "msg": str(error.get("msg", "")), "type": str(error.get("type", ""))}
@@ -110,6 +124,28 @@ def _validation_error(request: Request, exc: RequestValidationError) -> Response
     # ASCII-escaped JSON, sent as is (a lone surrogate in an echoed input stays escaped)
     body = json.dumps({"detail": errors}, ensure_ascii=True, allow_nan=False)
     return Response(body, status_code=422, media_type="application/json")
+
+
+def _plain(msg: str) -> str:
+    """pydantic's "Value error, ..." without its prefix."""
+    return msg.removeprefix("Value error, ")
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """HTTP errors: OpenAI's shape on its routes (a 422 there is OpenAI's 400), FastAPI's
+    ``{"detail"}`` elsewhere."""
+    if not is_openai_path(request.url.path):
+        return await http_exception_handler(request, exc)
+    status = 400 if exc.status_code == 422 else exc.status_code
+    message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    param = message.split(":", 1)[0] if ":" in message and " " not in message.split(":", 1)[0] else None
+    return Response(error_bytes(status, message, param), status_code=status, media_type="application/json",
+                    headers=dict(exc.headers or {}))
+
+
+def _openai_error(request: Request, exc: OpenAIError) -> Response:
+    return Response(error_bytes(exc.status, exc.message, exc.param, exc.code), status_code=exc.status,
+                    media_type="application/json")
 
 
 def runtime(request: Request) -> Runtime:
@@ -150,6 +186,8 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
     app.state.settings = settings = settings or OrchestratorSettings()
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(OpenAIError, _openai_error)
     add_api_key_auth(app, settings)  # outermost: a request without a valid key is refused before its body is read
     app.include_router(ops_router)
     app.include_router(generate_router)

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from orchestrator.openai_errors import error_bytes, is_openai_path
 from orchestrator.settings import OrchestratorSettings
 from specdec.auth import ChannelSecurity
 
@@ -115,7 +116,7 @@ async def _reject(scope: dict, send: Any, detail: str) -> None:
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1008, "reason": detail})
         return
-    body = json.dumps({"detail": detail}).encode()
+    body = error_bytes(401, detail) if is_openai_path(scope.get("path", "")) else json.dumps({"detail": detail}).encode()
     await send({"type": "http.response.start", "status": 401, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"www-authenticate", b"Bearer"),

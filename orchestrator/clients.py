@@ -72,6 +72,9 @@ class Verified:
     batch_rows: int = 0  # token rows in that pass (0: not reported)
     queue_ms: float = 0.0  # wait before that pass
     step_cpu_ms: float = 0.0  # CPU time of the target's process on that pass (0: not reported)
+    # asked for: per emitted token (accepted draft tokens, then next_token) its raw logprob and
+    # the top (ids, logprobs)
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 class _Client:
@@ -145,11 +148,13 @@ class TargetClient(_Client):
 
     async def verify(self, session_id: str, tokens: Sequence[int], draft: Sequence[int], sampling: Sampling,
                      distributions: Sequence[tuple[list[int], list[float]]] = (),
-                     return_target_probs: bool = True, yield_cores: bool = False) -> Verified:
+                     return_target_probs: bool = True, yield_cores: bool = False,
+                     logprobs: int | None = None) -> Verified:
         request = pb.VerifyRequest(
             session_id=session_id, tokens=tokens, draft_tokens=draft, sampling=sampling_to_pb(sampling),
             draft_distributions=[pb.SparseDistribution(token_ids=i, probs=p) for i, p in distributions],
             return_target_probs=return_target_probs, yield_cores=yield_cores,
+            return_logprobs=logprobs is not None, top_logprobs=logprobs or 0,
         )
         t0 = time.perf_counter()
         r = await self.stub.Verify(request, timeout=self.timeout_s)
@@ -167,4 +172,6 @@ class TargetClient(_Client):
             batch_rows=r.batch_rows,
             queue_ms=r.queue_ns / 1e6,
             step_cpu_ms=r.step_cpu_ns / 1e6,
+            logprobs=[(e.logprob, list(e.top_token_ids), list(e.top_logprobs)) for e in r.logprobs]
+            if logprobs is not None else None,
         )

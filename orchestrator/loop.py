@@ -32,7 +32,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from orchestrator.clients import Proposed, Verified
 from orchestrator.controller import Controller, Load, StepObservation, Topology
 from orchestrator.replicas import DraftPool, TargetPool
-from orchestrator.schemas import Step
+from orchestrator.schemas import Step, TokenLogprob
 from specdec.params import Sampling
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,9 @@ class GenerationParams:
     # concurrency the batched passes already fill the cores, and a Verify yielding cores to one
     # stream's pre-draft would slow everyone's).
     overlap: bool | None = False
+    # None: no logprobs; n >= 0: each emitted token's raw logprob from the target's own verify row,
+    # with the n most likely tokens' (the same bits whether the token was drafted or not)
+    logprobs: int | None = None
 
 
 @dataclass
@@ -237,6 +240,19 @@ class Detokenizer:
     def text(self) -> str:
         return self.decode(self.ids)
 
+    def tokens_covering(self, text: str) -> int:
+        """The fewest leading ids whose text begins with ``text`` (a prefix of :attr:`text`):
+        a binary search, since once a prefix's text holds it, every longer prefix's does (a
+        character cut in the middle of its bytes decodes as U+FFFD until its last byte)."""
+        lo, hi = 0, len(self.ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.decode(self.ids[:mid]).startswith(text):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
 
 @dataclass
 class GenerationResult:
@@ -245,6 +261,9 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop string), "length" (max_tokens or context), "cancelled"
     text: str
     stats: GenerationStats
+    # generated tokens the text covers: all of them, but where a stop string cut the text (it may
+    # end inside a block of accepted tokens), the fewest whose text holds what is returned
+    text_tokens: int | None = None
 
 
 @dataclass
@@ -451,7 +470,8 @@ class SpeculativeRequest:
                     self.target.verify, self.session_id, self.seq, step.tokens, p.sampling,
                     step.proposal.distributions if step.proposal else (),
                     yield_cores=self.limits.draft_shares_host and (self.predraft is not None
-                                                                   or self.draft.in_flight > 0)))
+                                                                   or self.draft.in_flight > 0),
+                    logprobs=p.logprobs))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not step.tokens:
                     raise
@@ -464,7 +484,8 @@ class SpeculativeRequest:
                 self.draft_ok = False
                 self.drop_predraft()
                 step.proposal, step.tokens = None, []
-                step.verified = await self.call(self.target.verify(self.session_id, self.seq, [], p.sampling))
+                step.verified = await self.call(self.target.verify(self.session_id, self.seq, [], p.sampling,
+                                                                   logprobs=p.logprobs))
         except grpc.aio.AioRpcError as exc:
             self.drop_predraft()
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -540,6 +561,8 @@ class SpeculativeRequest:
             draft_confidences=proposal.confidences if proposal else [],
             target_probs=v.target_probs, accepted=v.num_accepted, next_token=v.next_token, next_kind=step.kind,
             next_token_prob=v.next_token_prob, tokens=step.new, text=step.text, draft_ms=step.draft_wait_ms,
+            logprobs=[TokenLogprob(logprob=lp, top_ids=ids, top_logprobs=lps)
+                      for lp, ids, lps in v.logprobs[:len(step.new)]] if v.logprobs is not None else None,
             verify_ms=v.wall_ms, draft_compute_ms=draft_compute_ms, verify_compute_ms=v.compute_ms,
             overhead_ms=overhead_ms, draft_stop_reason=proposal.stop_reason if proposal else "",
             draft_error=step.draft_error, batch_sessions=v.batch_sessions, batch_rows=v.batch_rows,
@@ -552,7 +575,10 @@ class SpeculativeRequest:
         if stats.elapsed_ms > 0:
             TOKENS_PER_SECOND.labels(self.params.mode).observe(stats.tokens / (stats.elapsed_ms / 1e3))
         text = self.detok.text
-        return GenerationResult(self.finish, _cut_at_stop(text, self.params.stop) if self.detok.stopped else text, stats)
+        if not self.detok.stopped:
+            return GenerationResult(self.finish, text, stats, len(self.detok.ids))
+        text = _cut_at_stop(text, self.params.stop)
+        return GenerationResult(self.finish, text, stats, self.detok.tokens_covering(text))
 
     def close(self) -> None:
         """Free both caches now, even when cancelled; never let cleanup fail the request."""

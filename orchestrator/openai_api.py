@@ -6,6 +6,7 @@ The official ``openai`` client works unchanged; speculation statistics ride alon
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -14,7 +15,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from orchestrator.schemas import ChatCompletionRequest, CompletionRequest
+from orchestrator.openai_errors import OpenAIError, error_body
+from orchestrator.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from orchestrator.service import (
     chat_prompt_ids,
     client_key,
@@ -31,12 +33,69 @@ from specdec.params import Sampling
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's characters back to the bytes they stand for: GPT-2's table, which every
+    byte-level BPE tokenizer shares (printable Latin-1 bytes stand for themselves, the other 68
+    for the characters from U+0100 on, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
+def _piece(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
+    """A token's own bytes (a byte-level BPE token may hold part of a character) and its text."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id)) or ""
+    table = _byte_decoder()
+    if token_id in getattr(tokenizer, "all_special_ids", ()):
+        raw = piece.encode()
+    elif piece and all(c in table for c in piece):
+        raw = bytes(table[c] for c in piece)
+    elif piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:  # SentencePiece byte fallback
+        raw = bytes([int(piece[3:5], 16)])
+    else:
+        raw = piece.replace("\u2581", " ").encode()
+    return raw.decode("utf-8", errors="replace"), raw
+
+
+def _chat_logprobs(tokenizer: Any, ids: list[int], entries: list[Any]) -> dict[str, Any]:
+    content = []
+    for token_id, e in zip(ids, entries, strict=False):
+        text, raw = _piece(tokenizer, token_id)
+        tops = []
+        for top_id, lp in zip(e.top_ids, e.top_logprobs, strict=True):
+            top_text, top_raw = _piece(tokenizer, top_id)
+            tops.append({"token": top_text, "logprob": lp, "bytes": list(top_raw)})
+        content.append({"token": text, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": tops})
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(tokenizer: Any, ids: list[int], entries: list[Any], top: int, offset: int = 0
+                         ) -> dict[str, Any]:
+    """OpenAI's legacy shape; text_offset counts characters from the completion's start (``offset``
+    for the tokens before these)."""
+    tokens, offsets = [], []
+    for token_id in ids[:len(entries)]:
+        offsets.append(offset)
+        text = _piece(tokenizer, token_id)[0]
+        tokens.append(text)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_piece(tokenizer, i)[0]: lp for i, lp in zip(e.top_ids, e.top_logprobs, strict=True)}
+                             for e in entries] if top else None,
+            "text_offset": offsets}
+
+
 def _finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
 def _usage(result: dict[str, Any]) -> dict[str, int]:
-    prompt, completion = result["prompt_tokens"], len(result["token_ids"])
+    # the tokens of the text returned: a stop string may end inside a block of accepted tokens
+    prompt, completion = result["prompt_tokens"], result["completion_tokens"]
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -47,13 +106,25 @@ async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": rt.model_name, "object": "model", "created": 0, "owned_by": "specdec"}]}
 
 
+def check_model(rt: Any, body: OpenAIRequest) -> None:
+    """404 (OpenAI's model_not_found) for a model this server does not serve; none given is the
+    served one."""
+    if not rt.settings.model_name and not rt.target_info:
+        return  # the served name is not known yet: the request is refused as not ready anyway
+    if body.model is not None and body.model != rt.model_name:
+        raise OpenAIError(404, f"the model {body.model!r} does not exist here; this server serves {rt.model_name!r} "
+                               "(GET /v1/models)", param="model", code="model_not_found")
+
+
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion."""
     rt = request.app.state.rt
+    check_model(rt, body)
     sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed))
     prompt_ids = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt)
-    run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, False, sampling, client_key(request))
+    run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, False, sampling, client_key(request),
+                  body.logprob_count())
     return await _respond(run, request, body.stream, chat=False)
 
 
@@ -61,53 +132,78 @@ async def completions(body: CompletionRequest, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion (the prompt is built with the tokenizer's chat template)."""
     rt = request.app.state.rt
+    check_model(rt, body)
     prompt_ids = await tokenize(rt, client_key(request), chat_prompt_ids, rt, body.messages)
     sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed))
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    run = prepare(rt, body, prompt_ids, max_tokens, body.stop, False, sampling, client_key(request))
+    # OpenAI's chat has no default length: to EOS or the end of the context (up to the server's limit)
+    max_tokens = body.max_completion_tokens or body.max_tokens or rt.settings.max_tokens_limit
+    run = prepare(rt, body, prompt_ids, max_tokens, body.stop, False, sampling, client_key(request),
+                  body.logprob_count())
     return await _respond(run, request, body.stream, chat=True)
 
 
 async def _respond(run: Any, request: Request, stream: bool, chat: bool):
     rt = run.rt
+    tokenizer = rt.tokenizer
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     model = rt.model_name
+    top = run.params.logprobs
+    wants_logprobs = top is not None
+
+    def logprobs_of(ids: list[int], entries: list[Any], offset: int = 0) -> dict[str, Any] | None:
+        if not wants_logprobs:
+            return None
+        return (_chat_logprobs(tokenizer, ids, entries) if chat
+                else _completion_logprobs(tokenizer, ids, entries, top, offset))
+
     if not stream:
         _, result = await collect(run, request)
         finish = _finish(result["finish_reason"])
+        lp = logprobs_of(result["token_ids"], result["logprobs"] or [])
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "finish_reason": finish}
+            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "finish_reason": finish,
+                      "logprobs": lp}
         else:
-            choice = {"index": 0, "text": result["text"], "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": result["text"], "finish_reason": finish, "logprobs": lp}
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model, "choices": [choice], "usage": _usage(result), "specdec": result["stats"]}
 
     events = await start_stream(run, request)
     kind = "chat.completion.chunk" if chat else "text_completion"
+    # With stop strings a step's tokens may end past the text returned: their logprobs come with
+    # the last chunk, cut to the tokens of the text; without, with each step's text.
+    per_step = not run.params.stop
 
-    def chunk(delta: str | None, finish: str | None, first: bool = False, extra: dict | None = None) -> str:
+    def chunk(delta: str | None, finish: str | None, first: bool = False, extra: dict | None = None,
+              logprobs: dict[str, Any] | None = None) -> str:
         if chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if delta:
                 d["content"] = delta
-            choice = {"index": 0, "delta": d, "finish_reason": finish}
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
         return json.dumps({"id": ident, "object": kind, "created": created, "model": model, "choices": [choice],
                            **(extra or {})})
 
     async def sse() -> AsyncIterator[dict[str, str]]:
+        offset = 0
         if chat:
             yield {"data": chunk(None, None, first=True)}
         async for event, payload in events:
-            if event == "step" and payload.text:
-                yield {"data": chunk(payload.text, None)}
+            if event == "step" and (payload.text or (per_step and wants_logprobs and payload.tokens)):
+                lp = logprobs_of(payload.tokens, payload.logprobs or [], offset) if per_step else None
+                offset += len(payload.text)
+                yield {"data": chunk(payload.text, None, logprobs=lp)}
             elif event == "done":
-                yield {"data": chunk(None, _finish(payload["finish_reason"]),
+                lp = None
+                if wants_logprobs and not per_step:
+                    lp = logprobs_of(payload["token_ids"], payload["logprobs"] or [])
+                yield {"data": chunk(None, _finish(payload["finish_reason"]), logprobs=lp,
                                      extra={"usage": _usage(payload), "specdec": payload["stats"]})}
             elif event == "error":
-                yield {"data": json.dumps({"error": {"message": payload["detail"], "code": payload["status"]}})}
+                yield {"data": json.dumps(error_body(payload["status"], payload["detail"]))}
                 break
         yield {"data": "[DONE]"}
 

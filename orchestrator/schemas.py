@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
@@ -45,12 +46,14 @@ class ChatMessage(BaseModel):
     @classmethod
     def _parts(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
         if isinstance(v, list):
-            for part in v:
+            for i, part in enumerate(v):
+                kind = part.get("type", "text")
+                if kind != "text":  # never dropped silently: the answer would ignore what was sent
+                    raise ValueError(f"part {i} is of type {kind!r}: the served model reads text only")
                 text = part.get("text")
-                if part.get("type") == "text" and not isinstance(text, str):
+                if not isinstance(text, str):
                     raise ValueError("a text part needs a string 'text'")
-                if isinstance(text, str):
-                    valid_text(text)
+                valid_text(text)
         return v
 
     def text(self) -> str:
@@ -105,6 +108,14 @@ class GenerateRequest(SpeculationParams, SamplingFields):
         return self
 
 
+class TokenLogprob(BaseModel):
+    """The target's raw log-probability of one emitted token, from its own verify row."""
+
+    logprob: float = Field(description="log p of the token emitted (log-softmax of the target's logits).")
+    top_ids: list[int] = Field(description="The most likely tokens there, most likely first.")
+    top_logprobs: list[float] = Field(description="Their log-probabilities.")
+
+
 class Step(BaseModel):
     """One step of the speculative loop (one target pass): what ``orchestrator.loop.generate``
     yields, ``/v1/generate`` lists under ``steps`` and ``/v1/generate/stream`` sends as a ``step``
@@ -140,6 +151,8 @@ class Step(BaseModel):
         None, description="[n] Text of each draft token on its own (the stream only; null in /v1/generate).")
     next_token_text: str | None = Field(
         None, description="Text of next_token on its own (the stream only; null in /v1/generate).")
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="[len(tokens)] Each appended token's logprob, when the request asked for logprobs.")
 
     @computed_field(description="next_token when it replaced the first rejected draft token, else null.")
     @property
@@ -194,10 +207,35 @@ class GenerateResponse(BaseModel):
 
 # ---- OpenAI-compatible bodies (the fields the official client sends) --------------------------
 
-class OpenAIRequest(SpeculationParams):
-    """Fields both OpenAI endpoints share, with OpenAI's defaults (temperature 1)."""
+# OpenAI request fields this server does not honour (yet), each with the values that ask for
+# nothing (OpenAI's defaults): any other value is refused with a 400 naming the field, never
+# accepted and ignored (a client asking for JSON, logprobs or a penalty must be able to tell).
+REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}), "min_p": (None, 0), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_grammar": (None,),
+}
 
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (logprobs, user …) are ignored
+
+def _refuse(value: Any, info: Any) -> Any:
+    if value in REFUSED_FIELDS[info.field_name]:
+        return value
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise ValueError(f"{info.field_name}={shown} is not supported by this server; leave it unset "
+                     "(docs/api.md lists the fields honoured)")
+
+
+class OpenAIRequest(SpeculationParams):
+    """Fields both OpenAI endpoints share, with OpenAI's defaults (temperature 1). Fields OpenAI
+    defines that are not honoured are refused unless they ask for nothing (REFUSED_FIELDS);
+    fields OpenAI does not define are ignored (as vLLM does: clients add their own)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
@@ -206,14 +244,61 @@ class OpenAIRequest(SpeculationParams):
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
     stop: list[Text] | Text | None = None
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None  # OpenAI's end-user id: nothing to do with it here
 
     _stops = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
-    n: int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")
+    n: int = Field(1, description="Only n = 1 is supported.")
+
+    logprobs: bool | int | None = Field(
+        None, description="chat: true for each token's logprob; completions: the number of top logprobs (0-20).")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="chat: most likely tokens per position (0-20).")
+    echo: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    min_p: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+
+    _refused = field_validator(*REFUSED_FIELDS)(classmethod(lambda cls, v, info: _refuse(v, info)))
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"n={v}: only one choice per request is supported (send n requests)")
+        return v
 
 
 class CompletionRequest(OpenAIRequest):
     prompt: Text | list[Text]
     max_tokens: int | None = Field(16, ge=1)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _top_count(cls, v: bool | int | None) -> bool | int | None:
+        if v is not None and not isinstance(v, bool) and not 0 <= v <= 20:
+            raise ValueError(f"logprobs={v}: give 0 to 20 (the most likely tokens per position)")
+        return v
+
+    def logprob_count(self) -> int | None:
+        """None for no logprobs, else how many top tokens per position (OpenAI's integer)."""
+        return None if self.logprobs is None or self.logprobs is False else int(self.logprobs)
 
     @field_validator("prompt")
     @classmethod
@@ -231,3 +316,12 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and self.logprobs is not True:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs is True else None

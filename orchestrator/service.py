@@ -115,7 +115,8 @@ def request_prompt(rt: Runtime, body: GenerateRequest) -> list[int]:
 
 
 def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tokens: int | None,
-            stop: list[str] | str | None, ignore_eos: bool, sampling: Sampling, key: str | None = None) -> Run:
+            stop: list[str] | str | None, ignore_eos: bool, sampling: Sampling, key: str | None = None,
+            logprobs: int | None = None) -> Run:
     require_ready(rt)
     s = rt.settings
     limits = rt.limits
@@ -145,6 +146,7 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
                               else s.default_confidence_threshold),
         ignore_eos=ignore_eos,
         overlap=spec.overlap if spec.overlap is not None else {"on": True, "off": False, "auto": None}[s.default_overlap],
+        logprobs=logprobs,
     )
     # Admission last (again: slots may have filled while the prompt was tokenised): everything
     # above only reads, so a rejected request holds no slot.
@@ -165,6 +167,7 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[Event]:
     rt = run.rt
     controller = make_controller(run.controller_name, run.k, run.max_k, rt.costs)
     token_ids: list[int] = []
+    logprobs: list[Any] = []
     tokenizer = rt.tokenizer  # the one this request was tokenised with, whatever a re-check loads meanwhile
 
     async def stop() -> bool:
@@ -177,12 +180,13 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[Event]:
                                    in_progress=lambda: rt.active, background=rt.background):
             if isinstance(item, Step):
                 token_ids.extend(item.tokens)
+                logprobs.extend(item.logprobs or ())
                 yield "step", item
             else:
                 if item.finish_reason == "cancelled" and rt.drain_expired():
                     raise HTTPException(503, detail=f"the server shut down before the answer was complete "
                                                     f"({len(token_ids)} tokens generated); retry the request")
-                yield "done", result_dict(item, token_ids, run)
+                yield "done", result_dict(item, token_ids, run, logprobs)
     except TargetBusy as exc:
         raise too_busy(str(exc)) from exc
     except TargetUnavailable as exc:
@@ -193,8 +197,12 @@ async def events(run: Run, request: Request | None) -> AsyncIterator[Event]:
         run.release()
 
 
-def result_dict(result: GenerationResult, token_ids: list[int], run: Run) -> dict[str, Any]:
-    return {"text": result.text, "token_ids": token_ids, "finish_reason": result.finish_reason,
+def result_dict(result: GenerationResult, token_ids: list[int], run: Run, logprobs: list[Any] | None = None
+                ) -> dict[str, Any]:
+    covered = len(token_ids) if result.text_tokens is None else min(result.text_tokens, len(token_ids))
+    return {"text": result.text, "token_ids": token_ids, "completion_tokens": covered,
+            "logprobs": logprobs[:covered] if run.params.logprobs is not None else None,
+            "finish_reason": result.finish_reason,
             "prompt_tokens": run.prompt_tokens, "mode": run.params.mode, "controller": run.controller_name,
             "stats": result.stats.to_dict()}
 

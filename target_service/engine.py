@@ -43,6 +43,7 @@ MIN_PREFILL_CHUNK = 16
 # Prefill rows in a pass that decodes for other sessions too: in one A/B at 8 plain streams of 48
 # tokens, 64 against 256 cut p99 inter-token latency from 280 to 211 ms at equal throughput.
 DEFAULT_SHARED_PREFILL_ROWS = 64
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass
@@ -57,6 +58,7 @@ class VerifyJob(CpuAccounted):
     q: list[torch.Tensor] | None  # k dense draft distributions [V] (sampling with a draft), else None
     return_target_probs: bool
     yield_cores: bool = False  # a draft computes on this host meanwhile: run on overlap_threads
+    logprobs: int | None = None  # None: none; n >= 0: each emitted token's raw logprob and the top n
     prepare_ns: int = 0
     queue_ns: int = 0  # set by the scheduler: wait before the first step
     started_ns: int = 0  # perf_counter_ns of the first step that computed for it
@@ -76,6 +78,9 @@ class Verification:
     batch_rows: int = 0  # token rows in that pass
     queue_ns: int = 0
     step_cpu_ns: int = 0  # set by the scheduler: process CPU time of the pass(es) it was in, mean
+    # with logprobs: per emitted token (accepted draft tokens, then next_token) its raw logprob,
+    # and the top n (ids, logprobs), most likely first
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 def target_gguf(model: str, quant: str | None, cache_dir: Path | None = None) -> Path | None:
@@ -236,9 +241,14 @@ class TargetEngine:
         draft_distributions: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
         return_target_probs: bool = False,
         yield_cores: bool = False,
+        logprobs: int | None = None,
     ) -> VerifyJob:
-        """Validate a Verify request (raises InvalidArgument) without touching the model."""
+        """Validate a Verify request (raises InvalidArgument) without touching the model.
+        ``logprobs``: None for none, else each emitted token's raw log-probability and the
+        ``logprobs`` most likely tokens' (at most MAX_TOP_LOGPROBS)."""
         t0 = time.perf_counter_ns()
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs is {logprobs}; at most {MAX_TOP_LOGPROBS}")
         tokens, draft = list(tokens), list(draft)
         validate_session_id(session_id)
         sampling.validate()
@@ -259,7 +269,7 @@ class TargetEngine:
             # by page (see _verify)
             q = [_dense_distribution(i, ids, probs, x, self.lm.vocab_size)
                  for i, ((ids, probs), x) in enumerate(zip(draft_distributions, draft, strict=True))]
-        return VerifyJob(session_id, tokens, draft, sampling, q, return_target_probs, yield_cores,
+        return VerifyJob(session_id, tokens, draft, sampling, q, return_target_probs, yield_cores, logprobs,
                          prepare_ns=time.perf_counter_ns() - t0)
 
     def step(self, jobs: list[VerifyJob]) -> StepResult:
@@ -377,6 +387,16 @@ class TargetEngine:
                 num_accepted, next_token = 0, sm.sample(p[0], sampling.seed, first, sm.STREAM_TARGET)
             next_prob = float(p[num_accepted][next_token])
         target_probs = [float(p[i][x]) for i, x in enumerate(draft)] if (return_target_probs and p is not None) else []
+        logprobs = None
+        if job.logprobs is not None:
+            # the raw distribution of each emitted position, row by row as a plain step computes
+            # its one row: the same bits whether the token came from the draft or the target
+            logprobs = []
+            for i, token in enumerate([*draft[:num_accepted], next_token]):
+                lp = torch.log_softmax(logits[i], dim=-1)
+                top = torch.topk(lp, job.logprobs) if job.logprobs else None
+                logprobs.append((float(lp[token]), top.indices.tolist() if top is not None else [],
+                                 top.values.tolist() if top is not None else []))
         return Verification(
             num_accepted=num_accepted,
             next_token=next_token,
@@ -387,6 +407,7 @@ class TargetEngine:
             batch_sessions=batch_sessions,
             batch_rows=batch_rows,
             queue_ns=job.queue_ns,
+            logprobs=logprobs,
         )
 
 

@@ -38,6 +38,7 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServiceServicer):
             [(d.token_ids, d.probs) for d in request.draft_distributions],
             request.return_target_probs,
             request.yield_cores,
+            request.top_logprobs if request.return_logprobs else None,
         )
         result = self._submit(job, context)
         STEPS.inc()
@@ -54,6 +55,8 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServiceServicer):
             batch_rows=result.batch_rows,
             queue_ns=result.queue_ns,
             step_cpu_ns=result.step_cpu_ns,
+            logprobs=[pb.TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=lps)
+                      for lp, ids, lps in result.logprobs or ()],
         )
 
 

@@ -190,17 +190,18 @@ class EngineTarget:
         self.yield_cores: list[bool] = []  # per Verify: whether it asked to leave cores to a draft
 
     async def verify(self, session_id, tokens, draft, sampling, distributions=(), return_target_probs=True,
-                     yield_cores=False):
+                     yield_cores=False, logprobs=None):
         from orchestrator.clients import Verified
 
         self.yield_cores.append(yield_cores)
         try:
-            v = self.engine.verify(session_id, tokens, draft, sampling, distributions, return_target_probs, yield_cores)
+            v = self.engine.verify(session_id, tokens, draft, sampling, distributions, return_target_probs, yield_cores,
+                                   logprobs)
         except InvalidArgument as exc:
             raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        str(exc)) from exc
         return Verified(v.num_accepted, v.next_token, v.target_probs, v.next_token_prob, v.cached_tokens,
-                        v.compute_ns / 1e6, 1.0)
+                        v.compute_ns / 1e6, 1.0, logprobs=v.logprobs)
 
     async def release(self, session_id: str) -> bool:
         await asyncio.sleep(0.05)

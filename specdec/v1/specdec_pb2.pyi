@@ -85,7 +85,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[DraftStopReason, str]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ..., batch_sessions: _Optional[float] = ..., steps: _Optional[int] = ..., queue_ns: _Optional[int] = ..., step_cpu_ns: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "tokens", "draft_tokens", "sampling", "draft_distributions", "return_target_probs", "yield_cores")
+    __slots__ = ("session_id", "tokens", "draft_tokens", "sampling", "draft_distributions", "return_target_probs", "yield_cores", "return_logprobs", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class VerifyRequest(_message.Message):
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     RETURN_TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
     YIELD_CORES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -100,10 +102,22 @@ class VerifyRequest(_message.Message):
     draft_distributions: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     return_target_probs: bool
     yield_cores: bool
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., return_target_probs: _Optional[bool] = ..., yield_cores: _Optional[bool] = ...) -> None: ...
+    return_logprobs: bool
+    top_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., return_target_probs: _Optional[bool] = ..., yield_cores: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "target_probs", "next_token_prob", "cached_tokens", "compute_ns", "batch_sessions", "batch_rows", "queue_ns", "step_cpu_ns")
+    __slots__ = ("num_accepted", "next_token", "target_probs", "next_token_prob", "cached_tokens", "compute_ns", "batch_sessions", "batch_rows", "queue_ns", "step_cpu_ns", "logprobs")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +128,7 @@ class VerifyResponse(_message.Message):
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
     STEP_CPU_NS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     target_probs: _containers.RepeatedScalarFieldContainer[float]
@@ -124,7 +139,8 @@ class VerifyResponse(_message.Message):
     batch_rows: int
     queue_ns: int
     step_cpu_ns: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., target_probs: _Optional[_Iterable[float]] = ..., next_token_prob: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., batch_rows: _Optional[int] = ..., queue_ns: _Optional[int] = ..., step_cpu_ns: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., target_probs: _Optional[_Iterable[float]] = ..., next_token_prob: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ..., batch_sessions: _Optional[int] = ..., batch_rows: _Optional[int] = ..., queue_ns: _Optional[int] = ..., step_cpu_ns: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

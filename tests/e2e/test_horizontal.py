@@ -77,7 +77,7 @@ def stream(url: str, **body) -> dict:
 
 def chat(url: str, content: str) -> dict:
     r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-        "model": "specdec", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
         "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()

@@ -137,7 +137,7 @@ def one_request(client: httpx.Client, kind: str, rng: random.Random, tally: Tall
                 tally.error(kind, "stream ended without done", json.dumps(names[-3:]))
                 return
         elif kind == "openai-chat":
-            r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": prompt}],
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}],
                                                           "max_tokens": 16, "temperature": 0})
             if not expect(r):
                 return

@@ -62,7 +62,8 @@ def test_a_request_over_the_limit_is_refused_before_its_prompt_is_tokenised(tiny
         rt.tokenizer = slow = SlowTokenizer(rt.tokenizer, 0)
         rt.active = 1  # the one slot is taken
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 100_000}]})
-        assert r.status_code == 429 and "too many concurrent requests" in r.json()["detail"]
+        assert r.status_code == 429 and "too many concurrent requests" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["Retry-After"]
         assert slow.calls == 0
         rt.active = 0
         assert client.post("/v1/generate", json={"prompt": "ab", "max_tokens": 2}).status_code == 200

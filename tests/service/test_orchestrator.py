@@ -126,6 +126,64 @@ def test_openai_client(embedded_stack):
     assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
 
 
+def test_usage_counts_the_tokens_returned_when_a_stop_string_ends_inside_a_speculated_block(embedded_stack):
+    """With speculation, a stop string may end inside a block of several accepted tokens: usage
+    counts the tokens of the text returned (the fewest whose text holds it), not the whole block."""
+    from openai import OpenAI
+
+    from specdec.models import load_tokenizer
+
+    url = embedded_stack["url"]
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    tok = load_tokenizer("embedded")
+    checked = 0
+    for prompt in PROMPTS[:4]:
+        full = httpx.post(url + "/v1/generate", json={"prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=120).json()
+        text, ids = full["text"], full["token_ids"]
+        at = next((i for i in range(len(text) // 3, len(text) - 4) if text.find(text[i:i + 3]) == i
+                   and text[i:i + 3].strip()), None)
+        if at is None:
+            continue
+        stop = text[at:at + 3]
+        done = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
+        assert done.choices[0].text == text[:at]
+        expected = next(n for n in range(len(ids) + 1) if tok.decode(ids[:n], skip_special_tokens=True).startswith(text[:at]))
+        assert done.usage.completion_tokens == expected, (stop, done.usage, expected, done.model_extra["specdec"]["tokens"])
+        checked += 1
+    assert checked >= 2
+
+
+def test_logprobs_are_the_same_with_speculation_on_and_off(embedded_stack):
+    """Each token's logprob comes from the target's own verify row at its position, which is bit
+    for bit the row a plain step computes: drafted or not, the same numbers (here within 1e-4)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=embedded_stack["url"] + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    drafted = 0
+    for prompt in ("Name three rivers in Europe.", "Write a haiku about the sea."):
+        runs = {}
+        for mode in ("speculative", "autoregressive"):
+            reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                   max_tokens=40, temperature=0, logprobs=True, top_logprobs=5,
+                                                   extra_body={"mode": mode})
+            runs[mode] = reply
+        spec, plain = runs["speculative"], runs["autoregressive"]
+        assert spec.choices[0].message.content == plain.choices[0].message.content
+        a, b = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
+        assert len(a) == len(b) == spec.usage.completion_tokens
+        for x, y in zip(a, b, strict=True):
+            assert x.token == y.token and abs(x.logprob - y.logprob) <= 1e-4
+            assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
+            assert max(abs(s.logprob - t.logprob) for s, t in zip(x.top_logprobs, y.top_logprobs, strict=True)) <= 1e-4
+        text = b"".join(bytes(e.bytes) for e in a).decode("utf-8", errors="replace")
+        assert text.startswith(spec.choices[0].message.content)  # the tokens' bytes spell the answer
+        drafted += spec.model_extra["specdec"]["accepted_tokens"]
+    assert drafted > 0  # speculation did run: some tokens came from the draft
+
+
 def test_seeded_sampling_is_reproducible(embedded_stack):
     """A seed gives the same output for the same k schedule (docs/batching.md). The schedule moves
     only when a Propose misses its deadline (a draft fallback: a machine too busy), so the pair is

@@ -68,3 +68,20 @@ def test_each_step_decodes_a_window_not_the_whole_answer(tok):
     # a step decodes its new tokens and the previous step's (at most 5 each; a few steps more while a
     # character's bytes are split across tokens), never everything so far (over 2,000 tokens here)
     assert max(sizes) <= 40, max(sizes)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_tokens_of_a_text_cut_at_a_stop_string(tok, seed):
+    """usage.completion_tokens after a stop string: the fewest generated tokens whose text holds
+    what is returned, however many tokens the last (speculated) block brought past it."""
+    rng = random.Random(seed)
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    whole = _decode(tok)(ids)
+    start = rng.randrange(40, len(whole) - 40)
+    stop = whole[start:start + 3]
+    detok = Detokenizer(_decode(tok), [stop])
+    _stream(detok, ids, rng)
+    returned = _cut_at_stop(detok.text, [stop])
+    n = detok.tokens_covering(returned)
+    assert _decode(tok)(ids[:n]).startswith(returned) and not _decode(tok)(ids[:n - 1]).startswith(returned)
+    assert n < len(detok.ids)
