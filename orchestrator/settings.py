@@ -62,7 +62,9 @@ class OrchestratorSettings(BaseSettings):
                     "measured slower than plain decoding from 2 streams on: docs/batching.md); 0: no limit, the cost "
                     "model alone decides.",
     )
-    default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none.")
+    default_max_tokens: int = Field(
+        128, ge=1, description="max_tokens when a /v1/generate request gives none (completions default to OpenAI's 16; "
+                               "chat runs to EOS, the end of the context or max_tokens_limit).")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get HTTP 413.")
     max_concurrent_requests: int = Field(64, ge=1, description="More concurrent generations get HTTP 429.")
