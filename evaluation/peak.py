@@ -134,46 +134,48 @@ def int8_gmacs(threads: int, bytes_chain: bool, iters: int = 20_000_000) -> floa
     return threads * iters * 8 * 32 / seconds / 1e9
 
 
+def _native():
+    native = kernels()
+    if native is None:
+        raise SystemExit("specdec.native is unavailable here")
+    return native
+
+
+def _linear_seconds(native, x: torch.Tensor, packed, n: int, repeats: int) -> float:
+    """Best of 5 means over ``repeats`` calls of ``native.linear(x, packed, n)``, after 10 warm-ups."""
+    for _ in range(10):
+        native.linear(x, packed, n)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            native.linear(x, packed, n)
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return best
+
+
 def quant_kernel_gmacs(fmt: str, rows: int, n: int = 2048, k: int = 2048, repeats: int = 50) -> float:
     """Products a second (G) of specdec.native's kernel for ``fmt`` on a weight in cache (L3: 2.3 MB at
     Q4_0, 4.4 MB at Q8_0)."""
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    native = kernels()
-    if native is None:
-        raise SystemExit("specdec.native is unavailable here")
+    native = _native()
     rng = np.random.default_rng(0)
     blocks = quants.quantize(rng.standard_normal((n, k), dtype=np.float32), getattr(GGMLQuantizationType, fmt))
     packed = native.pack_quant(blocks, fmt, n, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0))
-    for _ in range(10):
-        native.linear(x, packed, n)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            native.linear(x, packed, n)
-        best = min(best, (time.perf_counter() - t0) / repeats)
+    best = _linear_seconds(native, x, packed, n, repeats)
     return rows * n * k / best / 1e9
 
 
 def kernel_gflops(rows: int, n: int = 768, k: int = 576, repeats: int = 200) -> float:
     """GFLOPS of specdec.native's fp32 linear on a weight that stays in cache (n x k floats)."""
-    native = kernels()
-    if native is None:
-        raise SystemExit("specdec.native is unavailable here")
+    native = _native()
     gen = torch.Generator().manual_seed(0)
     packed = native.pack_linear(torch.randn(n, k, generator=gen))
     x = torch.randn(rows, k, generator=gen)
-    for _ in range(10):
-        native.linear(x, packed, n)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            native.linear(x, packed, n)
-        best = min(best, (time.perf_counter() - t0) / repeats)
+    best = _linear_seconds(native, x, packed, n, repeats)
     return 2 * rows * n * k / best / 1e9
 
 
