@@ -15,6 +15,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec import sampling as sm
 from specdec.engine import ModelInfo, validate_context, validate_session_id, validate_tokens
@@ -58,6 +59,8 @@ class ProposeJob(CpuAccounted):
     steps: int = 0
     sessions_seen: int = 0  # sum over its steps of the sessions in each
     guess_len: int = 0  # backends that guess ahead by lookup: tokens to guess next (0: not yet)
+    grammars: Any = None  # the proposer's specdec.grammar.Grammars, for a request with a grammar
+    grammar: Any = None  # the session's GrammarState while drafting under a grammar
 
     def begin(self, max_context: int) -> bool:
         """Start drafting (once); False when there is no room to draft at all."""
@@ -67,7 +70,21 @@ class ProposeJob(CpuAccounted):
             self.k = max(0, min(self.max_draft_tokens, max_context - len(self.tokens) - 1))
             if self.k == 0:
                 self.stop_reason = StopReason.CONTEXT_LIMIT
+            elif self.sampling.grammar and self.grammars is not None:
+                s = self.sampling
+                self.grammar = self.grammars.state(self.session_id, s.grammar, s.grammar_start, self.tokens)
+                if self.grammar is None:  # a sequence the grammar refuses (a pre-draft past a rejection)
+                    self.k, self.stop_reason = 0, StopReason.NO_CANDIDATE
         return self.k > 0
+
+    def probabilities(self, logits):
+        """The draft's transformed distribution [V] from its ``logits`` [V], masked by the grammar
+        first when the request has one: q' is what the draft samples from and reports."""
+        if self.grammar is not None:
+            from specdec.grammar import apply
+
+            logits = apply(logits, self.grammar.mask())
+        return sm.probabilities(logits, self.sampling)
 
     def advance(self, probs, eos: set[int], batch_sessions: int) -> bool:
         """Choose the next draft token from the draft's transformed distribution ``probs`` [V];
@@ -82,11 +99,15 @@ class ProposeJob(CpuAccounted):
                               sm.STREAM_DRAFT)
         self.drafted.append(token)
         self.confidences.append(float(probs[token]))
+        if self.grammar is not None and not self.grammar.advance(token):  # cannot happen: drawn under its mask
+            self.stop_reason = StopReason.NO_CANDIDATE
         if self.return_distributions:
             self.distributions.append(sm.to_sparse(probs))
         self.steps += 1
         self.sessions_seen += batch_sessions
-        if token in eos:
+        if self.stop_reason is not None:
+            pass
+        elif token in eos:
             self.stop_reason = StopReason.EOS
         elif self.confidences[-1] < self.confidence_threshold:
             self.stop_reason = StopReason.LOW_CONFIDENCE
@@ -146,7 +167,25 @@ class Proposer(abc.ABC):
 
     def release(self, session_id: str) -> bool:
         validate_session_id(session_id)
+        if self._grammars is not None:
+            self._grammars.release(session_id)
         return self.store.release(session_id)
+
+    _grammars: Any = None
+
+    @property
+    def grammars(self) -> Any:
+        """The matchers of the sessions drafting under a grammar (specdec.grammar), made on first use."""
+        if self._grammars is None:
+            from specdec.grammar import Grammars
+
+            info = self.model_info
+            self._grammars = Grammars(self.grammar_tokenizer, info.vocab_size, info.eos_token_ids)
+        return self._grammars
+
+    def grammar_tokenizer(self) -> Any:
+        """The model's transformers tokenizer, for grammars (None: this backend drafts unconstrained)."""
+        return None
 
     def propose(self, *args, **kwargs) -> Proposal:
         """Propose up to ``max_draft_tokens`` tokens after ``tokens`` on the calling thread (the
@@ -178,9 +217,15 @@ class Proposer(abc.ABC):
         if not 0.0 <= confidence_threshold <= 1.0:
             raise InvalidArgument(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         sampling.validate()
+        grammars = None
+        if sampling.grammar and type(self).grammar_tokenizer is not Proposer.grammar_tokenizer:
+            if sampling.grammar_start > len(tokens):
+                raise InvalidArgument(f"grammar_start {sampling.grammar_start} is past the {len(tokens)} tokens")
+            grammars = self.grammars
+            grammars.check(sampling.grammar)  # here, off the model's thread (the first loads the tokenizer)
         return ProposeJob(session_id, tokens, max_draft_tokens, confidence_threshold, sampling,
                           return_distributions and not sampling.greedy, time.perf_counter_ns() - t0, yield_cores,
-                          issued)
+                          issued, grammars=grammars)
 
     def run(self, job: ProposeJob) -> Proposal:
         """Draft for one validated request on its own (step after step)."""

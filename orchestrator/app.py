@@ -39,6 +39,7 @@ from orchestrator.service import (
 )
 from orchestrator.settings import OrchestratorSettings
 from orchestrator.streams import BoundedEventSource
+from orchestrator.structured import grammar_of
 from specdec.params import Sampling
 
 logger = logging.getLogger(__name__)
@@ -253,9 +254,9 @@ async def info(rt: Runtime = Depends(runtime)) -> dict[str, Any]:
 
 
 async def _prepare(rt: Runtime, body: GenerateRequest, request: Request) -> Run:
+    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), grammar_of(body))
     prompt_ids = await tokenize(rt, client_key(request), request_prompt, rt, body)
-    return prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos,
-                   Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed)), client_key(request))
+    return prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos, sampling, client_key(request))
 
 
 @generate_router.post("/v1/generate", response_model=GenerateResponse)

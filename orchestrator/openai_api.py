@@ -28,6 +28,7 @@ from orchestrator.service import (
     tokenize,
 )
 from orchestrator.streams import BoundedEventSource
+from orchestrator.structured import grammar_of
 from specdec.params import Sampling
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -121,7 +122,7 @@ async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion."""
     rt = request.app.state.rt
     check_model(rt, body)
-    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed))
+    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), grammar_of(body))
     prompt_ids = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt)
     run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, False, sampling, client_key(request),
                   body.logprob_count())
@@ -133,8 +134,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion (the prompt is built with the tokenizer's chat template)."""
     rt = request.app.state.rt
     check_model(rt, body)
+    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), grammar_of(body))
     prompt_ids = await tokenize(rt, client_key(request), chat_prompt_ids, rt, body.messages)
-    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed))
     # OpenAI's chat has no default length: to EOS or the end of the context (up to the server's limit)
     max_tokens = body.max_completion_tokens or body.max_tokens or rt.settings.max_tokens_limit
     run = prepare(rt, body, prompt_ids, max_tokens, body.stop, False, sampling, client_key(request),

@@ -97,6 +97,12 @@ class GenerateRequest(SpeculationParams, SamplingFields):
     max_tokens: int | None = Field(None, ge=1, description="New tokens to generate at most.")
     stop: list[Text] | Text | None = Field(None, description="Stop when any of these strings is generated.")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens.")
+    response_format: dict[str, Any] | None = Field(
+        None, description="As OpenAI's: {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                          "{\"name\", \"schema\"}}: the output follows it.")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="Exactly one of json (a schema), regex, choice (strings), grammar (Lark or GBNF): the "
+                          "output follows it.")
     include_steps: bool = Field(True, description="Include per-step details in the response.")
 
     _stops = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
@@ -213,11 +219,11 @@ class GenerateResponse(BaseModel):
 REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}), "min_p": (None, 0), "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "min_p": (None, 0),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
-    "web_search_options": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_grammar": (None,),
+    "web_search_options": (None,),
 }
 
 
@@ -259,7 +265,10 @@ class OpenAIRequest(SpeculationParams):
     repetition_penalty: Any = None
     logit_bias: Any = None
     min_p: Any = None
-    response_format: Any = None
+    response_format: Any = Field(None, description="text, json_object or json_schema (strict): the output follows it.")
+    structured_outputs: Any = Field(
+        None, description="vLLM's extension: exactly one of json (a schema), regex, choice (strings), grammar (Lark "
+                          "or GBNF).")
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -271,9 +280,10 @@ class OpenAIRequest(SpeculationParams):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_grammar: Any = None
+    guided_json: Any = Field(None, description="vLLM's older spelling of structured_outputs.json.")
+    guided_regex: Any = Field(None, description="vLLM's older spelling of structured_outputs.regex.")
+    guided_choice: Any = Field(None, description="vLLM's older spelling of structured_outputs.choice.")
+    guided_grammar: Any = Field(None, description="vLLM's older spelling of structured_outputs.grammar.")
 
     _refused = field_validator(*REFUSED_FIELDS)(classmethod(lambda cls, v, info: _refuse(v, info)))
 

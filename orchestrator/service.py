@@ -6,6 +6,7 @@ client can act on."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -140,6 +141,11 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
     if k > max_k:
         raise HTTPException(422, detail=f"k: {k} is over max_k {max_k}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if sampling.grammar:
+        if ignore_eos:
+            raise HTTPException(400, detail="ignore_eos: a structured output ends with the end-of-sequence token its "
+                                            "grammar allows; leave ignore_eos unset")
+        sampling = dataclasses.replace(sampling, grammar_start=len(prompt_ids))  # the output starts after the prompt
     params = GenerationParams(
         prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, stop=stops, mode=spec.mode,
         confidence_threshold=(spec.confidence_threshold if spec.confidence_threshold is not None

@@ -13,11 +13,13 @@ from specdec.v1 import specdec_pb2 as pb
 def sampling_from_pb(msg: pb.SamplingParams) -> sm.Sampling:
     # proto3 zero values mean "off": top_p 0 is no nucleus filtering.
     top_p = msg.top_p if msg.top_p > 0 else 1.0
-    return sm.Sampling(temperature=msg.temperature, top_p=top_p, top_k=msg.top_k, seed=msg.seed)
+    return sm.Sampling(temperature=msg.temperature, top_p=top_p, top_k=msg.top_k, seed=msg.seed, grammar=msg.grammar,
+                       grammar_start=msg.grammar_start)
 
 
 def sampling_to_pb(s: sm.Sampling) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+    return pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, grammar=s.grammar,
+                             grammar_start=s.grammar_start)
 
 
 def info_to_pb(info: ModelInfo, scheduler: Any = None) -> pb.InfoResponse:

@@ -19,6 +19,10 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # structured output (specdec.grammar): llguidance's grammar JSON ("" for none), constraining the
+    # tokens from index ``grammar_start`` of the request's sequence on (the prompt's length)
+    grammar: str = ""
+    grammar_start: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -33,6 +37,8 @@ class Sampling:
             raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
+        if self.grammar_start < 0:
+            raise InvalidArgument(f"grammar_start must be >= 0, got {self.grammar_start}")
 
 
 @dataclass

@@ -24,7 +24,9 @@ from specdec.engine import (
     validate_tokens,
 )
 from specdec.errors import InvalidArgument, NotFound
-from specdec.models import LoadedModel, gguf_tokenizer_fingerprint, load_hf, tokenizer_fingerprint
+from specdec.grammar import Grammars
+from specdec.grammar import apply as apply_mask
+from specdec.models import LoadedModel, gguf_tokenizer_fingerprint, load_hf, load_tokenizer, tokenizer_fingerprint
 from specdec.scheduler import PENDING, CpuAccounted, StepResult, run_alone
 from specdec.sessions import SessionStore, common_prefix_len
 
@@ -189,6 +191,9 @@ class TargetEngine:
             max_draft_tokens=max_draft_tokens,
             eos_token_ids=eos_tokens,
         )
+        # a GGUF target has no transformers tokenizer loaded: the one its file carries, on first use
+        self.grammars = Grammars(lambda: loaded.tokenizer or load_tokenizer(loaded.source), self.lm.vocab_size,
+                                 eos_tokens)
 
     @classmethod
     def from_settings(cls, settings: TargetSettings, *, loaded: LoadedModel | None = None) -> TargetEngine:
@@ -219,6 +224,7 @@ class TargetEngine:
 
     def release(self, session_id: str) -> bool:
         validate_session_id(session_id)
+        self.grammars.release(session_id)
         with self.lm.lock:
             return self.store.release(session_id)
 
@@ -258,6 +264,10 @@ class TargetEngine:
         validate_context(len(tokens) + len(draft) + 1, self.lm.max_context, "tokens + draft_tokens + 1")
         validate_tokens(tokens, self.lm.vocab_size)
         validate_tokens(draft, self.lm.vocab_size, what="draft_tokens", allow_empty=True)
+        if sampling.grammar:
+            self.grammars.check(sampling.grammar)  # here, off the model's thread (the first loads the tokenizer)
+            if sampling.grammar_start > len(tokens):
+                raise InvalidArgument(f"grammar_start {sampling.grammar_start} is past the {len(tokens)} tokens")
         q = None
         if not sampling.greedy and draft:
             if len(draft_distributions) != len(draft):
@@ -368,6 +378,11 @@ class TargetEngine:
         first = len(tokens)  # absolute position of draft[0] (and of the next token when k == 0)
         k = len(draft)
         return_target_probs = job.return_target_probs
+        raw = logits
+        if sampling.grammar:
+            logits = self._constrain(job, logits)
+            # the first draft token the grammar refuses (if any) is the last one verified: p' = 0 rejects it
+            draft = draft[:len(logits)]
         if sampling.greedy:
             num_accepted, next_token = sm.verify_greedy(logits.argmax(dim=-1).tolist(), draft)
             # Row by row: a softmax of all k + 1 rows at once is a fresh block of megabytes (3.3 MB
@@ -393,10 +408,12 @@ class TargetEngine:
             # its one row: the same bits whether the token came from the draft or the target
             logprobs = []
             for i, token in enumerate([*draft[:num_accepted], next_token]):
-                lp = torch.log_softmax(logits[i], dim=-1)
+                lp = torch.log_softmax(raw[i], dim=-1)
                 top = torch.topk(lp, job.logprobs) if job.logprobs else None
                 logprobs.append((float(lp[token]), top.indices.tolist() if top is not None else [],
                                  top.values.tolist() if top is not None else []))
+        if return_target_probs and sampling.grammar:
+            target_probs += [0.0] * (k - len(target_probs))  # after a token the grammar refuses: never verified
         return Verification(
             num_accepted=num_accepted,
             next_token=next_token,
@@ -409,6 +426,19 @@ class TargetEngine:
             queue_ns=job.queue_ns,
             logprobs=logprobs,
         )
+
+    def _constrain(self, job: VerifyJob, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [k + 1, V] masked by the job's grammar: row i under the mask after the
+        committed output and the draft tokens before i; only the rows up to the first draft token
+        the grammar refuses (that one included) come back."""
+        sampling = job.sampling
+        state = self.grammars.state(job.session_id, sampling.grammar, sampling.grammar_start, job.tokens)
+        if state is None:
+            raise InvalidArgument("the committed tokens do not follow the request's grammar")
+        allowed = state.masks(job.draft)
+        if not bool(allowed[0].any()):
+            raise InvalidArgument("the grammar allows no further token (it has ended; the output is complete)")
+        return apply_mask(logits[:len(allowed)], allowed)
 
 
 # Draft probabilities are float32 sums over up to the whole vocabulary: allow for rounding.

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
-from specdec import sampling as sm
 from specdec.engine import CachedCausalLM, ForwardRequest, ModelInfo, eos_ids, torch_threads
 from specdec.errors import Cancelled
 from specdec.models import LoadedModel, load_hf, tokenizer_fingerprint
@@ -49,6 +48,9 @@ class TransformersProposer(Proposer):
     def model_info(self) -> ModelInfo:
         return self._info
 
+    def grammar_tokenizer(self):
+        return self.loaded.tokenizer
+
     def release(self, session_id: str) -> bool:
         with self.lm.lock:
             return super().release(session_id)
@@ -89,6 +91,6 @@ class TransformersProposer(Proposer):
                 continue
             if job.cached_tokens < 0:
                 job.cached_tokens = result.cached
-            if job.advance(sm.probabilities(result.logits[-1], job.sampling), self._eos, sessions):
+            if job.advance(job.probabilities(result.logits[-1]), self._eos, sessions):
                 outcomes[i] = job.proposal()
         return StepResult(outcomes, sessions, rows)

@@ -30,7 +30,6 @@ from prometheus_client import Counter
 
 from draft_service.backends.ngram import find_continuation
 from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
-from specdec import sampling as sm
 from specdec.engine import ModelInfo
 from specdec.errors import Cancelled, ResourceExhausted
 from specdec.gguf_convert import draft_gguf
@@ -152,6 +151,11 @@ class LlamaCppProposer(Proposer):
     def model_info(self) -> ModelInfo:
         return self._info
 
+    def grammar_tokenizer(self):
+        from specdec.models import load_tokenizer
+
+        return load_tokenizer(self.model_path)  # the one the file carries, once, for the first grammar
+
     def release(self, session_id: str) -> bool:
         with self.lock:
             return super().release(session_id)
@@ -252,7 +256,7 @@ class LlamaCppProposer(Proposer):
         """Draft from the pass's rows: row j + 1 follows guess[j], so it is read only while every
         token drafted so far in this pass equals the guess. True when the job is done."""
         for j, row in enumerate(rows):
-            if job.advance(sm.probabilities(row, job.sampling), self._eos, batch_sessions):
+            if job.advance(job.probabilities(row), self._eos, batch_sessions):
                 return True
             if j >= len(guess) or job.drafted[-1] != guess[j]:
                 return False

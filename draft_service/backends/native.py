@@ -18,7 +18,7 @@ from draft_service.proposer import Proposer
 from specdec.engine import CachedCausalLM, ModelInfo
 from specdec.gguf_convert import draft_gguf
 from specdec.gguf_model import UnsupportedModel, file_type, load_gguf
-from specdec.models import gguf_tokenizer_fingerprint
+from specdec.models import gguf_tokenizer_fingerprint, load_tokenizer
 from specdec.native import kernels
 from specdec.sessions import SessionStore
 
@@ -48,6 +48,10 @@ class NativeProposer(TransformersProposer):
             eos_token_ids=sorted(eos),
         )
         self._eos = set(eos)
+        self.path = path
+
+    def grammar_tokenizer(self):
+        return load_tokenizer(str(self.path))  # the one the file carries, once, for the first grammar
 
     @classmethod
     def from_settings(cls, settings: DraftSettings) -> NativeProposer:

@@ -21,12 +21,10 @@ MESSAGES = [{"role": "user", "content": "a b c"}]
 ASKING = {
     "echo": True, "frequency_penalty": 2.0, "presence_penalty": 2.0,
     "repetition_penalty": 1.3, "logit_bias": {"50256": -100}, "min_p": 1.0,
-    "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"}, "best_of": 2,
     "suffix": "x", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
-    "reasoning_effort": "low", "web_search_options": {}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_grammar": "root ::= x",
+    "reasoning_effort": "low", "web_search_options": {},
 }
 
 
@@ -193,3 +191,14 @@ def test_completion_logprobs_in_openais_legacy_shape(served):
     assert with_stop.choices[0].logprobs.top_logprobs is None
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="a", max_tokens=2, logprobs=21)
+
+
+def test_structured_output_on_a_tokenizer_llguidance_cannot_read_is_a_400(served):
+    """The tiny target's word-level tokenizer has no byte decoder: the target refuses the grammar
+    with the reason, the client gets a 400 (not a 5xx), and the next request is served."""
+    _, client, model = served
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                       response_format={"type": "json_object"})
+    assert "structured output is unavailable" in err.value.body["message"], err.value.body
+    assert client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2).choices[0].message.content
