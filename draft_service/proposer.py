@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import abc
 import enum
+import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +24,8 @@ from specdec.engine import ModelInfo, validate_context, validate_session_id, val
 from specdec.errors import InvalidArgument
 from specdec.scheduler import PENDING, CpuAccounted, StepResult, run_alone
 from specdec.sessions import SessionStore
+
+logger = logging.getLogger(__name__)
 
 
 class StopReason(enum.Enum):
@@ -72,18 +76,29 @@ class ProposeJob(CpuAccounted):
                 self.stop_reason = StopReason.CONTEXT_LIMIT
             elif self.sampling.grammar and self.grammars is not None:
                 s = self.sampling
-                self.grammar = self.grammars.state(self.session_id, s.grammar, s.grammar_start, self.tokens)
+                try:
+                    self.grammar = self.grammars.state(self.session_id, s.grammar, s.output_start, self.tokens)
+                except Exception:  # noqa: BLE001 - this job drafts nothing; the step's others go on
+                    logger.exception("session %s: the grammar's matcher failed; no draft", self.session_id)
+                    self.grammar = None
                 if self.grammar is None:  # a sequence the grammar refuses (a pre-draft past a rejection)
                     self.k, self.stop_reason = 0, StopReason.NO_CANDIDATE
         return self.k > 0
 
     def probabilities(self, logits):
-        """The draft's transformed distribution [V] from its ``logits`` [V], masked by the grammar
-        first when the request has one: q' is what the draft samples from and reports."""
+        """The draft's transformed distribution [V] from its ``logits`` [V]: masked by the grammar
+        when the request has one, processed (penalties, logit_bias) as the target processes this
+        position, then transformed: q' is what the draft samples from and reports."""
         if self.grammar is not None:
             from specdec.grammar import apply
 
-            logits = apply(logits, self.grammar.mask())
+            try:
+                logits = apply(logits, self.grammar.mask())
+            except Exception:  # noqa: BLE001 - drafting on unconstrained is still lossless (the target masks)
+                logger.exception("session %s: the grammar's mask failed; drafting unconstrained", self.session_id)
+                self.grammar = None
+        if self.sampling.processes:  # penalties and logit_bias: what the target applies at this position
+            logits = sm.process(logits[None], self.sampling, self.tokens + self.drafted)[0]
         return sm.probabilities(logits, self.sampling)
 
     def advance(self, probs, eos: set[int], batch_sessions: int) -> bool:
@@ -172,15 +187,17 @@ class Proposer(abc.ABC):
         return self.store.release(session_id)
 
     _grammars: Any = None
+    _grammars_lock = threading.Lock()
 
     @property
     def grammars(self) -> Any:
         """The matchers of the sessions drafting under a grammar (specdec.grammar), made on first use."""
-        if self._grammars is None:
-            from specdec.grammar import Grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                from specdec.grammar import Grammars
 
-            info = self.model_info
-            self._grammars = Grammars(self.grammar_tokenizer, info.vocab_size, info.eos_token_ids)
+                info = self.model_info
+                self._grammars = Grammars(self.grammar_tokenizer, info.vocab_size, info.eos_token_ids)
         return self._grammars
 
     def grammar_tokenizer(self) -> Any:
@@ -217,10 +234,11 @@ class Proposer(abc.ABC):
         if not 0.0 <= confidence_threshold <= 1.0:
             raise InvalidArgument(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         sampling.validate()
+        validate_tokens([t for t, _ in sampling.logit_bias], info.vocab_size, what="logit_bias", allow_empty=True)
         grammars = None
         if sampling.grammar and type(self).grammar_tokenizer is not Proposer.grammar_tokenizer:
-            if sampling.grammar_start > len(tokens):
-                raise InvalidArgument(f"grammar_start {sampling.grammar_start} is past the {len(tokens)} tokens")
+            if sampling.output_start > len(tokens):
+                raise InvalidArgument(f"output_start {sampling.output_start} is past the {len(tokens)} tokens")
             grammars = self.grammars
             grammars.check(sampling.grammar)  # here, off the model's thread (the first loads the tokenizer)
         return ProposeJob(session_id, tokens, max_draft_tokens, confidence_threshold, sampling,

@@ -52,6 +52,32 @@ TOKENS_PER_SECOND = Histogram(
 )
 DRAFT_FALLBACKS = Counter("specdec_draft_fallbacks_total", "Steps run without a draft because the draft failed.", ["reason"])
 ACTIVE = Gauge("specdec_active_requests", "Generations in progress.")
+# The same figures under vLLM's names, buckets and model_name label (prefix specdec: for vllm:), so a
+# dashboard made for vLLM works with the prefix changed (README, "Observability"). Latencies
+# are timed from the start of the generation (after tokenisation and admission).
+_MODEL = ["model_name"]
+TTFT = Histogram("specdec:time_to_first_token_seconds", "Time to the first generated token.", _MODEL,
+                 buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                          20.0, 40.0, 80.0, 160.0, 640.0, 2560.0))
+ITL = Histogram("specdec:inter_token_latency_seconds", "Time between two steps' tokens (one observation per step, "
+                "as vLLM's: a speculative step lands several tokens).", _MODEL,
+                buckets=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                         40.0, 80.0))
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+E2E = Histogram("specdec:e2e_request_latency_seconds", "Wall time of a whole generation.", _MODEL,
+                buckets=_REQUEST_BUCKETS)
+QUEUE_TIME = Histogram("specdec:request_queue_time_seconds", "Time a generation's first Verify waited in the "
+                       "target's queue before its forward pass.", _MODEL, buckets=_REQUEST_BUCKETS)
+NUM_DRAFTS = Counter("specdec:spec_decode_num_drafts", "Steps that verified a non-empty draft.", _MODEL)
+NUM_DRAFT_TOKENS = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens verified.", _MODEL)
+NUM_ACCEPTED = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", _MODEL)
+NUM_ACCEPTED_PER_POS = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
+                               "Accepted draft tokens by position in the draft (0-based).", ["model_name", "position"])
+PROMPT_TOKENS = Counter("specdec:prompt_tokens", "Prompt tokens of the generations started.", _MODEL)
+GENERATION_TOKENS = Counter("specdec:generation_tokens", "Tokens generated.", _MODEL)
+RUNNING = Gauge("specdec:num_requests_running", "Generations in progress.", _MODEL)
+
 PREFIX_TOKENS = Counter(
     "specdec_target_prefix_tokens_total",
     "Committed tokens sent to Verify, by whether the target found them in the session's KV cache "
@@ -95,6 +121,7 @@ class GenerationParams:
     # None: no logprobs; n >= 0: each emitted token's raw logprob from the target's own verify row,
     # with the n most likely tokens' (the same bits whether the token was drafted or not)
     logprobs: int | None = None
+    model_name: str = ""  # the served name: the model_name label of the vLLM-named metrics
 
 
 @dataclass
@@ -321,6 +348,7 @@ class SpeculativeRequest:
         self.used_draft = False  # even a failed call may have created a draft session
         self.finish = "length"
         self.t_start = time.perf_counter()
+        self.t_last_step = self.t_start
         # RPCs in flight, shielded from cancellation: when the client goes away mid-call, the Release
         # must reach each service after its call, or the call would re-create the session.
         self.inflight: set[asyncio.Future] = set()
@@ -553,9 +581,16 @@ class SpeculativeRequest:
         draft_compute_ms = proposal.compute_ms if proposal else 0.0
         stats.record_step(len(step.new), len(step.tokens), v.num_accepted, step.draft_wait_ms, v.wall_ms,
                           draft_compute_ms, v.compute_ms, overhead_ms)
+        now = time.perf_counter()
+        model = self.params.model_name
         if stats.iterations == 1:
-            stats.first_token_ms = (time.perf_counter() - self.t_start) * 1e3
-        _count_step(self.params.mode, len(step.new), len(step.tokens), v.num_accepted)
+            stats.first_token_ms = (now - self.t_start) * 1e3
+            TTFT.labels(model).observe(now - self.t_start)
+            QUEUE_TIME.labels(model).observe(v.queue_ms / 1e3)
+        else:
+            ITL.labels(model).observe(now - self.t_last_step)
+        self.t_last_step = now
+        _count_step(self.params.mode, len(step.new), len(step.tokens), v.num_accepted, model)
         return Step(
             index=stats.iterations - 1, k=step.k, draft=step.tokens,
             draft_confidences=proposal.confidences if proposal else [],
@@ -572,6 +607,7 @@ class SpeculativeRequest:
     def result(self) -> GenerationResult:
         stats = self.stats
         stats.elapsed_ms = (time.perf_counter() - self.t_start) * 1e3
+        E2E.labels(self.params.model_name).observe(stats.elapsed_ms / 1e3)
         if stats.elapsed_ms > 0:
             TOKENS_PER_SECOND.labels(self.params.mode).observe(stats.tokens / (stats.elapsed_ms / 1e3))
         text = self.detok.text
@@ -591,15 +627,20 @@ class SpeculativeRequest:
         task.add_done_callback(self.background.discard)
 
 
-def _count_step(mode: str, generated: int, proposed: int, accepted: int) -> None:
+def _count_step(mode: str, generated: int, proposed: int, accepted: int, model: str = "") -> None:
     STEPS.labels(mode).inc()
     GENERATED_TOKENS.labels(mode).inc(generated)
+    GENERATION_TOKENS.labels(model).inc(generated)
     if proposed:
         DRAFTS.inc()
         DRAFT_TOKENS.inc(proposed)
         ACCEPTED_TOKENS.inc(accepted)
+        NUM_DRAFTS.labels(model).inc()
+        NUM_DRAFT_TOKENS.labels(model).inc(proposed)
+        NUM_ACCEPTED.labels(model).inc(accepted)
         for pos in range(accepted):
             ACCEPTED_PER_POSITION.labels(str(pos)).inc()
+            NUM_ACCEPTED_PER_POS.labels(model, str(pos)).inc()
 
 
 async def generate(
@@ -627,6 +668,8 @@ async def generate(
     """
     req = SpeculativeRequest(params, draft, target, controller, limits, draft_health, decode, in_progress, background)
     ACTIVE.inc()
+    RUNNING.labels(params.model_name).inc()
+    PROMPT_TOKENS.labels(params.model_name).inc(len(params.prompt_ids))
     try:
         while True:
             step = _Step(t_start=time.perf_counter())
@@ -652,6 +695,7 @@ async def generate(
         yield req.result()
     finally:
         ACTIVE.dec()
+        RUNNING.labels(params.model_name).dec()
         req.close()
 
 

@@ -13,8 +13,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
+from starlette.concurrency import run_in_threadpool
 
+from orchestrator import tools
 from orchestrator.openai_errors import OpenAIError, error_body
 from orchestrator.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from orchestrator.service import (
@@ -122,9 +124,12 @@ async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion."""
     rt = request.app.state.rt
     check_model(rt, body)
-    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), grammar_of(body))
+    if body.tools or body.tool_choice not in (None, "none", "auto"):
+        raise HTTPException(400, detail="tools: tool calls are a chat completions feature (/v1/chat/completions)")
+    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), await grammar_of(body),
+                        **body.processing())
     prompt_ids = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt)
-    run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, False, sampling, client_key(request),
+    run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos, sampling, client_key(request),
                   body.logprob_count())
     return await _respond(run, request, body.stream, chat=False)
 
@@ -134,16 +139,32 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion (the prompt is built with the tokenizer's chat template)."""
     rt = request.app.state.rt
     check_model(rt, body)
-    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), grammar_of(body))
-    prompt_ids = await tokenize(rt, client_key(request), chat_prompt_ids, rt, body.messages)
+    grammar = await grammar_of(body)
+    tool_plan = await run_in_threadpool(tools.plan, body.tools, body.tool_choice)
+    if tool_plan is not None and tool_plan.forced:
+        if grammar:
+            raise HTTPException(400, detail=f"tool_choice: {body.tool_choice!r} generates a tool call, which cannot "
+                                            "also follow response_format; drop one of them")
+        grammar = tool_plan.grammar  # the call is generated under the grammar of its parameters
+    sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), grammar, **body.processing())
+    prompt_ids = await tokenize(rt, client_key(request), chat_prompt_ids, rt, body.messages, tool_plan)
     # OpenAI's chat has no default length: to EOS or the end of the context (up to the server's limit)
     max_tokens = body.max_completion_tokens or body.max_tokens or rt.settings.max_tokens_limit
-    run = prepare(rt, body, prompt_ids, max_tokens, body.stop, False, sampling, client_key(request),
+    run = prepare(rt, body, prompt_ids, max_tokens, body.stop, body.ignore_eos, sampling, client_key(request),
                   body.logprob_count())
-    return await _respond(run, request, body.stream, chat=True)
+    return await _respond(run, request, body.stream, chat=True, tool_plan=tool_plan)
 
 
-async def _respond(run: Any, request: Request, stream: bool, chat: bool):
+def _message(text: str, tool_plan: Any, finish: str) -> tuple[dict[str, Any], str]:
+    """The chat reply's message and finish_reason: with tools, the calls parsed out of the text."""
+    if tool_plan is not None:
+        content, calls = tools.parse(text, tool_plan)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": text}, finish
+
+
+async def _respond(run: Any, request: Request, stream: bool, chat: bool, tool_plan: Any = None):
     rt = run.rt
     tokenizer = rt.tokenizer
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -163,8 +184,8 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool):
         finish = _finish(result["finish_reason"])
         lp = logprobs_of(result["token_ids"], result["logprobs"] or [])
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "finish_reason": finish,
-                      "logprobs": lp}
+            message, finish = _message(result["text"], tool_plan, finish)
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
         else:
             choice = {"index": 0, "text": result["text"], "finish_reason": finish, "logprobs": lp}
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -174,14 +195,17 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
     # With stop strings a step's tokens may end past the text returned: their logprobs come with
     # the last chunk, cut to the tokens of the text; without, with each step's text.
-    per_step = not run.params.stop
+    # With tools the text is held until the end, where the calls are parsed out of it.
+    per_step = not run.params.stop and tool_plan is None
 
     def chunk(delta: str | None, finish: str | None, first: bool = False, extra: dict | None = None,
-              logprobs: dict[str, Any] | None = None) -> str:
+              logprobs: dict[str, Any] | None = None, calls: list[dict[str, Any]] | None = None) -> str:
         if chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if delta:
                 d["content"] = delta
+            if calls:
+                d["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
@@ -192,8 +216,11 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool):
         offset = 0
         if chat:
             yield {"data": chunk(None, None, first=True)}
+        held: list[str] = []
         async for event, payload in events:
-            if event == "step" and (payload.text or (per_step and wants_logprobs and payload.tokens)):
+            if event == "step" and tool_plan is not None:
+                held.append(payload.text)
+            elif event == "step" and (payload.text or (per_step and wants_logprobs and payload.tokens)):
                 lp = logprobs_of(payload.tokens, payload.logprobs or [], offset) if per_step else None
                 offset += len(payload.text)
                 yield {"data": chunk(payload.text, None, logprobs=lp)}
@@ -201,7 +228,12 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool):
                 lp = None
                 if wants_logprobs and not per_step:
                     lp = logprobs_of(payload["token_ids"], payload["logprobs"] or [])
-                yield {"data": chunk(None, _finish(payload["finish_reason"]), logprobs=lp,
+                finish = _finish(payload["finish_reason"])
+                if tool_plan is not None:
+                    message, finish = _message(payload["text"], tool_plan, finish)
+                    if message["content"] or message.get("tool_calls"):
+                        yield {"data": chunk(message["content"], None, calls=message.get("tool_calls"))}
+                yield {"data": chunk(None, finish, logprobs=lp,
                                      extra={"usage": _usage(payload), "specdec": payload["stats"]})}
             elif event == "error":
                 yield {"data": json.dumps(error_body(payload["status"], payload["detail"]))}

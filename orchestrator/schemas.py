@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 from orchestrator.settings import ControllerName
+from specdec.params import MAX_LOGIT_BIAS
 
 # Bounds of what the wire protocol carries (SamplingParams.top_k is uint32, seed uint64 — kept
 # below 2**63 so it also fits signed consumers).
@@ -87,7 +88,41 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, lt=MAX_SEED, description="Makes sampling reproducible.")
 
 
-class GenerateRequest(SpeculationParams, SamplingFields):
+class ProcessingFields(BaseModel):
+    """Logit processing, applied by both models at every position with its own history (so
+    speculation stays lossless under it: specdec.sampling.process)."""
+
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Minus this x the token's count in the output so far.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Minus this once the token is in the output.")
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=10, description="vLLM's: > 1 penalises every token of prompt and output (1: off).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Keep tokens with at least min_p x the top token's "
+                                                              "probability (sampling only).")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100], added to its logit.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"{len(v)} tokens, over the {MAX_LOGIT_BIAS} allowed")
+        for key, bias in v.items():
+            if not key.isdigit() or int(key) >= 2**32:
+                raise ValueError(f"{key!r} is not a token id")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of {key} is {bias}; biases lie in [-100, 100]")
+        return v
+
+    def processing(self) -> dict[str, Any]:
+        """The fields as specdec.params.Sampling takes them."""
+        return {"frequency_penalty": self.frequency_penalty or 0.0, "presence_penalty": self.presence_penalty or 0.0,
+                "repetition_penalty": self.repetition_penalty or 1.0, "min_p": self.min_p or 0.0,
+                "logit_bias": tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))}
+
+
+class GenerateRequest(SpeculationParams, SamplingFields, ProcessingFields):
     model_config = ConfigDict(extra="forbid")
 
     prompt: Text | None = Field(None, min_length=1, description="Text to continue (no chat template applied).")
@@ -218,9 +253,7 @@ class GenerateResponse(BaseModel):
 # accepted and ignored (a client asking for JSON, logprobs or a penalty must be able to tell).
 REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
-    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}), "min_p": (None, 0),
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "functions": (None, []),
     "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,),
@@ -236,7 +269,7 @@ def _refuse(value: Any, info: Any) -> Any:
                      "(docs/api.md lists the fields honoured)")
 
 
-class OpenAIRequest(SpeculationParams):
+class OpenAIRequest(SpeculationParams, ProcessingFields):
     """Fields both OpenAI endpoints share, with OpenAI's defaults (temperature 1). Fields OpenAI
     defines that are not honoured are refused unless they ask for nothing (REFUSED_FIELDS);
     fields OpenAI does not define are ignored (as vLLM does: clients add their own)."""
@@ -252,6 +285,7 @@ class OpenAIRequest(SpeculationParams):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: str | None = None  # OpenAI's end-user id: nothing to do with it here
+    ignore_eos: bool = Field(False, description="vLLM's extension: keep generating past end-of-sequence tokens.")
 
     _stops = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
     n: int = Field(1, description="Only n = 1 is supported.")
@@ -260,17 +294,14 @@ class OpenAIRequest(SpeculationParams):
         None, description="chat: true for each token's logprob; completions: the number of top logprobs (0-20).")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="chat: most likely tokens per position (0-20).")
     echo: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    min_p: Any = None
     response_format: Any = Field(None, description="text, json_object or json_schema (strict): the output follows it.")
     structured_outputs: Any = Field(
         None, description="vLLM's extension: exactly one of json (a schema), regex, choice (strings), grammar (Lark "
                           "or GBNF).")
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Any = Field(None, description="chat: functions the model may call (orchestrator.tools).")
+    tool_choice: Any = Field(None, description="chat: none, auto (the default with tools), required, or a named function.")
+    parallel_tool_calls: bool | None = Field(
+        None, description="chat: accepted; auto returns every call the model writes, a forced choice one call.")
     functions: Any = None
     function_call: Any = None
     best_of: Any = None

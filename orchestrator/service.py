@@ -145,7 +145,7 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
         if ignore_eos:
             raise HTTPException(400, detail="ignore_eos: a structured output ends with the end-of-sequence token its "
                                             "grammar allows; leave ignore_eos unset")
-        sampling = dataclasses.replace(sampling, grammar_start=len(prompt_ids))  # the output starts after the prompt
+        sampling = dataclasses.replace(sampling, output_start=len(prompt_ids))  # the output starts after the prompt
     params = GenerationParams(
         prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling, stop=stops, mode=spec.mode,
         confidence_threshold=(spec.confidence_threshold if spec.confidence_threshold is not None
@@ -153,6 +153,7 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
         ignore_eos=ignore_eos,
         overlap=spec.overlap if spec.overlap is not None else {"on": True, "off": False, "auto": None}[s.default_overlap],
         logprobs=logprobs,
+        model_name=rt.model_name,
     )
     # Admission last (again: slots may have filled while the prompt was tokenised): everything
     # above only reads, so a rejected request holds no slot.
@@ -253,25 +254,27 @@ def special_strings(tok: Any) -> list[str]:
     return sorted({*tok.all_special_tokens, *(a.content for a in added.values() if a.special)} - {""})
 
 
-def chat_prompt(rt: Any, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt(rt: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of the conversation through the tokenizer's chat template (a plain transcript
     for tokenizers without one, such as GPT-2's).
 
     What users write is text, never control tokens: ``<|im_start|>system`` typed into a message
     stays those characters, so no one forges a turn of another role. Only the template's own
     markup becomes special tokens: a message holding such text is rendered with a placeholder in
-    its place, and its content tokenised apart with special tokens split into plain text."""
+    its place, and its content tokenised apart with special tokens split into plain text.
+    ``tools``: passed to a template that renders them (orchestrator.tools)."""
     tok = rt.tokenizer
+    extra = {"tools": tools} if tools else {}
     if not getattr(tok, "chat_template", None):
         transcript = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
         return tok(transcript, split_special_tokens=True).input_ids
     specials = special_strings(tok)
     if not any(s in m["content"] for m in messages for s in specials):
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         return tok(text, add_special_tokens=False).input_ids
     marks = [f"\ue000specdec-content-{i}\ue001" for i in range(len(messages))]
     text = tok.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
-                                   add_generation_prompt=True, tokenize=False)
+                                   add_generation_prompt=True, tokenize=False, **extra)
     if any(text.count(mark) != 1 for mark in marks):
         raise ValueError("this chat template rewrites message content, so content holding special-token text "
                          f"({', '.join(specials[:3])}, …) cannot be kept as text; remove it from the messages")
@@ -283,10 +286,14 @@ def chat_prompt(rt: Any, messages: list[dict[str, str]]) -> list[int]:
     return ids + tok(text, add_special_tokens=False).input_ids
 
 
-def chat_prompt_ids(rt: Any, messages: list[ChatMessage]) -> list[int]:
-    """Validated chat messages -> prompt token ids (HTTP 400 when the template rejects them)."""
+def chat_prompt_ids(rt: Any, messages: list[ChatMessage], tool_plan: Any = None) -> list[int]:
+    """Validated chat messages -> prompt token ids (HTTP 400 when the template rejects them);
+    ``tool_plan``: the request's orchestrator.tools.ToolPlan, for the tools it offers."""
+    from orchestrator import tools
+
     require_ready(rt)
     try:
-        return chat_prompt(rt, [{"role": m.role, "content": m.text()} for m in messages])
+        rendered, offered = tools.messages_for(tool_plan, messages, tools.template_takes_tools(rt.tokenizer))
+        return chat_prompt(rt, rendered, offered)
     except Exception as exc:  # a template may reject a conversation shape (e.g. roles out of order)
         raise HTTPException(400, detail=f"messages: the chat template rejected them: {exc}") from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import HTTPException
+from starlette.concurrency import run_in_threadpool
 
 from specdec import grammar as gr
 from specdec.errors import InvalidArgument
@@ -68,8 +69,19 @@ def from_structured_outputs(value: Any, field: str = "structured_outputs") -> st
     return _compile(field, gr.from_regex if kind == "regex" else gr.from_grammar, arg)
 
 
-def grammar_of(body: Any) -> str:
-    """The one grammar a request asks for ("" for none); 400 when it asks for two."""
+async def grammar_of(body: Any) -> str:
+    """The one grammar a request asks for ("" for none); 400 when it asks for two. Compiled on a
+    worker thread: a large schema takes milliseconds, which the event loop does not wait out."""
+    if not any(getattr(body, name, None) is not None for name in GRAMMAR_FIELDS):
+        return ""
+    return await run_in_threadpool(_grammar_of, body)
+
+
+GRAMMAR_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar")
+
+
+def _grammar_of(body: Any) -> str:
     found: list[tuple[str, str]] = []
     if getattr(body, "response_format", None) is not None:
         found.append(("response_format", from_response_format(body.response_format)))

@@ -1,9 +1,9 @@
 """Structured output: a grammar (llguidance) that constrains which tokens either model may emit.
 
 A request's grammar travels in its :class:`~specdec.params.Sampling` (``grammar``: llguidance's
-grammar JSON, ``grammar_start``: where in the request's tokens the constrained output begins, the
+grammar JSON, ``output_start``: where in the request's tokens the constrained output begins, the
 prompt's length). Each model service keeps, per session, one matcher that has consumed exactly the
-committed output tokens (``tokens[grammar_start:]``), as it keeps a KV cache: a call that arrives
+committed output tokens (``tokens[output_start:]``), as it keeps a KV cache: a call that arrives
 with more committed tokens consumes the new ones, a call that diverges rolls back to the common
 prefix first (:meth:`Grammars.state`).
 
@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 # Matchers held per service (one per session with a grammar); the least recently used goes first.
 MAX_STATES = 4096
+# Grammars known to compile, remembered (by digest) so a request's later calls skip the compile.
+MAX_VALID = 1024
 # A grammar's text (llguidance JSON) at most, so one request cannot make every call carry megabytes.
 MAX_GRAMMAR_BYTES = 256 * 1024
 # JSON output: whitespace between tokens is bounded as llama.cpp's JSON grammars bound it (one
@@ -128,7 +130,7 @@ def apply(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 class GrammarState:
     """One session's matcher and the output tokens it has consumed."""
 
-    key: tuple[str, int]  # (sha256 of the grammar, grammar_start)
+    key: tuple[str, int]  # (sha256 of the grammar, output_start)
     matcher: Any  # llguidance.LLMatcher
     vocab_size: int
     eos_token_ids: list[int]
@@ -219,6 +221,7 @@ class Grammars:
         self.max_states = max_states
         self._ll_tokenizer: Any = None
         self._states: OrderedDict[str, GrammarState] = OrderedDict()
+        self._valid: OrderedDict[bytes, None] = OrderedDict()  # digests of grammars that compiled
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
 
@@ -246,15 +249,24 @@ class Grammars:
         off the model's thread; loads the tokenizer the first time)."""
         if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
             raise InvalidArgument(f"the grammar is {len(grammar.encode())} bytes, over the {MAX_GRAMMAR_BYTES} allowed")
+        digest = hashlib.sha256(grammar.encode()).digest()
+        with self._lock:
+            if digest in self._valid:  # a request's grammar comes with each of its calls: compile it once
+                self._valid.move_to_end(digest)
+                return
         error = _llguidance().LLMatcher.validate_grammar(grammar, self.tokenizer())
         if error:
             raise InvalidArgument(f"the grammar does not compile: {error}")
+        with self._lock:
+            self._valid[digest] = None
+            while len(self._valid) > MAX_VALID:
+                self._valid.popitem(last=False)
 
     def state(self, session_id: str, grammar: str, start: int, tokens: Sequence[int]) -> GrammarState | None:
         """The session's matcher, having consumed ``tokens[start:]``; None when the grammar refuses
         those tokens. A new grammar or start for the session starts a new matcher."""
         if start > len(tokens):
-            raise InvalidArgument(f"grammar_start {start} is past the {len(tokens)} tokens")
+            raise InvalidArgument(f"output_start {start} is past the {len(tokens)} tokens")
         key = (hashlib.sha256(grammar.encode()).hexdigest(), start)
         with self._lock:
             state = self._states.get(session_id)

@@ -60,8 +60,47 @@ def generator(seed: int, position: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(_mix(seed, position, stream))
 
 
+def process(logits: torch.Tensor, sampling: Sampling, tokens: Sequence[int], draft: Sequence[int] = ()) -> torch.Tensor:
+    """``logits`` [n, V] of consecutive positions (n <= len(draft) + 1) with the request's logit
+    processing applied, row i with its own history: ``tokens`` (the sequence so far) then
+    ``draft[:i]``. The draft (one row, its drafted tokens in ``tokens``) and the target (a verify
+    pass) call this same function, so q and p are processed alike and plain decoding, a pass of one
+    row, processes as speculation does.
+
+    In vLLM's order: ``logit_bias`` added; then the repetition penalty over every token of the
+    history (a positive logit divided by it, a negative one multiplied); then, over the output's
+    tokens (from ``sampling.output_start``), minus ``frequency_penalty`` x count and minus
+    ``presence_penalty`` once present. ``logits`` itself when nothing is set (else a new tensor)."""
+    if not sampling.processes:
+        return logits
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    if sampling.logit_bias:
+        ids = torch.tensor([t for t, _ in sampling.logit_bias], dtype=torch.long)
+        out[:, ids] += torch.tensor([b for _, b in sampling.logit_bias], dtype=torch.float32)
+    rep, freq, pres = sampling.repetition_penalty, sampling.frequency_penalty, sampling.presence_penalty
+    if rep == 1.0 and not freq and not pres:
+        return out
+    seq = torch.tensor(list(tokens), dtype=torch.long)
+    counts = torch.bincount(seq[sampling.output_start:], minlength=vocab)[:vocab].float()
+    seen = torch.bincount(seq, minlength=vocab)[:vocab] > 0
+    for i in range(out.shape[0]):
+        if i:
+            counts[draft[i - 1]] += 1
+            seen[draft[i - 1]] = True
+        row = out[i]
+        if rep != 1.0:
+            row.copy_(torch.where(seen, torch.where(row > 0, row / rep, row * rep), row))
+        if freq:
+            row.sub_(counts * freq)
+        if pres:
+            row.sub_((counts > 0).float() * pres)
+    return out
+
+
 def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Apply temperature, top-k, top-p to ``logits`` [..., V]; return probabilities [..., V] (fp32).
+    """Apply temperature, min-p, top-k, top-p to ``logits`` [..., V] (processed already:
+    :func:`process`); return probabilities [..., V] (fp32).
 
     Greedy requests get the plain softmax (used for confidences and target probabilities).
     """
@@ -69,6 +108,9 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     if sampling.greedy:
         return torch.softmax(logits, dim=-1)
     logits = logits / sampling.temperature
+    if sampling.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < sampling.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     vocab = logits.shape[-1]
     if 0 < sampling.top_k < vocab:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]

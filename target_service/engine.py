@@ -264,10 +264,11 @@ class TargetEngine:
         validate_context(len(tokens) + len(draft) + 1, self.lm.max_context, "tokens + draft_tokens + 1")
         validate_tokens(tokens, self.lm.vocab_size)
         validate_tokens(draft, self.lm.vocab_size, what="draft_tokens", allow_empty=True)
+        validate_tokens([t for t, _ in sampling.logit_bias], self.lm.vocab_size, what="logit_bias", allow_empty=True)
         if sampling.grammar:
             self.grammars.check(sampling.grammar)  # here, off the model's thread (the first loads the tokenizer)
-            if sampling.grammar_start > len(tokens):
-                raise InvalidArgument(f"grammar_start {sampling.grammar_start} is past the {len(tokens)} tokens")
+            if sampling.output_start > len(tokens):
+                raise InvalidArgument(f"output_start {sampling.output_start} is past the {len(tokens)} tokens")
         q = None
         if not sampling.greedy and draft:
             if len(draft_distributions) != len(draft):
@@ -383,6 +384,8 @@ class TargetEngine:
             logits = self._constrain(job, logits)
             # the first draft token the grammar refuses (if any) is the last one verified: p' = 0 rejects it
             draft = draft[:len(logits)]
+        # penalties and logit_bias, each row with its own history (the same function the draft runs)
+        logits = sm.process(logits, sampling, tokens, draft)
         if sampling.greedy:
             num_accepted, next_token = sm.verify_greedy(logits.argmax(dim=-1).tolist(), draft)
             # Row by row: a softmax of all k + 1 rows at once is a fresh block of megabytes (3.3 MB
@@ -432,7 +435,7 @@ class TargetEngine:
         committed output and the draft tokens before i; only the rows up to the first draft token
         the grammar refuses (that one included) come back."""
         sampling = job.sampling
-        state = self.grammars.state(job.session_id, sampling.grammar, sampling.grammar_start, job.tokens)
+        state = self.grammars.state(job.session_id, sampling.grammar, sampling.output_start, job.tokens)
         if state is None:
             raise InvalidArgument("the committed tokens do not follow the request's grammar")
         allowed = state.masks(job.draft)

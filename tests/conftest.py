@@ -94,6 +94,24 @@ def fake_orchestrator():
         yield fake
 
 
+@pytest.fixture(scope="module")
+def bpe_engines(tmp_path_factory):
+    """(target engine, draft proposer) in this process on two tiny random Llamas with the embedded
+    model's BPE tokenizer (which grammars need: specdec.grammar)."""
+    from draft_service.backends.hf import TransformersProposer
+    from specdec.models import load_hf
+    from specdec.sessions import SessionStore
+    from target_service.engine import TargetEngine
+    from tests.support import make_bpe_model
+
+    root = tmp_path_factory.mktemp("bpe-engines")
+    target = TargetEngine(load_hf(str(make_bpe_model(root / "target", "llama", seed=5))), SessionStore(8, 1 << 30, 0),
+                          max_draft_tokens=8)
+    draft = TransformersProposer(load_hf(str(make_bpe_model(root / "draft", "llama", seed=6))),
+                                 SessionStore(8, 1 << 30, 0), max_draft_tokens=8)
+    return target, draft
+
+
 @pytest.fixture(scope="session")
 def embedded_target():
     """The embedded default target (SmolLM2-135M-Instruct, fp32), loaded once."""

@@ -24,41 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"y\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0f\n\x07grammar\x18\x05 \x01(\t\x12\x15\n\rgrammar_start\x18\x06 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xcd\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x18\n\x10max_draft_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63onfidence_threshold\x18\x04 \x01(\x02\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x1c\n\x14return_distributions\x18\x06 \x01(\x08\x12\x13\n\x0byield_cores\x18\x07 \x01(\x08\"\x9e\x02\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\r\x12\x13\n\x0b\x63onfidences\x18\x02 \x03(\x02\x12\x30\n\x0bstop_reason\x18\x03 \x01(\x0e\x32\x1b.specdec.v1.DraftStopReason\x12\x35\n\rdistributions\x18\x04 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x12\n\ncompute_ns\x18\x06 \x01(\x04\x12\x16\n\x0e\x62\x61tch_sessions\x18\x07 \x01(\x02\x12\r\n\x05steps\x18\x08 \x01(\r\x12\x10\n\x08queue_ns\x18\t \x01(\x04\x12\x13\n\x0bstep_cpu_ns\x18\n \x01(\x04\"\x95\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12;\n\x13\x64raft_distributions\x18\x05 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x1b\n\x13return_target_probs\x18\x06 \x01(\x08\x12\x13\n\x0byield_cores\x18\x07 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x94\x02\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12\x14\n\x0ctarget_probs\x18\x03 \x03(\x02\x12\x17\n\x0fnext_token_prob\x18\x04 \x01(\x02\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x12\n\ncompute_ns\x18\x06 \x01(\x04\x12\x16\n\x0e\x62\x61tch_sessions\x18\x07 \x01(\r\x12\x12\n\nbatch_rows\x18\x08 \x01(\r\x12\x10\n\x08queue_ns\x18\t \x01(\x04\x12\x13\n\x0bstep_cpu_ns\x18\n \x01(\x04\x12+\n\x08logprobs\x18\x0b \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"\r\n\x0bInfoRequest\"\xef\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x18\n\x10max_draft_tokens\x18\t \x01(\r\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x10\n\x08kv_bytes\x18\x0b \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x0c \x01(\x04\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12-\n\tscheduler\x18\x0e \x01(\x0b\x32\x1a.specdec.v1.SchedulerStats\x12\x0f\n\x07host_id\x18\x0f \x01(\t\x12\x11\n\tcpu_cores\x18\x10 \x01(\x02\"\xd6\x01\n\x0eSchedulerStats\x12\x10\n\x08\x66orwards\x18\x01 \x01(\x04\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x0f\n\x07\x62usy_ns\x18\x04 \x01(\x04\x12\r\n\x05\x63\x61lls\x18\x05 \x01(\x04\x12\x15\n\rqueue_wait_ns\x18\x06 \x01(\x04\x12\x0e\n\x06queued\x18\x07 \x01(\r\x12\x12\n\nmax_queued\x18\x08 \x01(\r\x12\x0e\n\x06\x63pu_ns\x18\t \x01(\x04\x12\x11\n\tgather_ns\x18\n \x01(\x04\x12\x14\n\x0cgather_waits\x18\x0b \x01(\x04\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*\xe0\x01\n\x0f\x44raftStopReason\x12!\n\x1d\x44RAFT_STOP_REASON_UNSPECIFIED\x10\x00\x12 \n\x1c\x44RAFT_STOP_REASON_MAX_TOKENS\x10\x01\x12$\n DRAFT_STOP_REASON_LOW_CONFIDENCE\x10\x02\x12\x19\n\x15\x44RAFT_STOP_REASON_EOS\x10\x03\x12#\n\x1f\x44RAFT_STOP_REASON_CONTEXT_LIMIT\x10\x04\x12\"\n\x1e\x44RAFT_STOP_REASON_NO_CANDIDATE\x10\x05\x32\xd1\x01\n\x0c\x44raftService\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse2\xcf\x01\n\rTargetService\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"\xc9\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0f\n\x07grammar\x18\x05 \x01(\t\x12\x14\n\x0coutput_start\x18\x06 \x01(\r\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\r\n\x05min_p\x18\n \x01(\x02\x12=\n\nlogit_bias\x18\x0b \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xcd\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x18\n\x10max_draft_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63onfidence_threshold\x18\x04 \x01(\x02\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x1c\n\x14return_distributions\x18\x06 \x01(\x08\x12\x13\n\x0byield_cores\x18\x07 \x01(\x08\"\x9e\x02\n\x0fProposeResponse\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x03(\r\x12\x13\n\x0b\x63onfidences\x18\x02 \x03(\x02\x12\x30\n\x0bstop_reason\x18\x03 \x01(\x0e\x32\x1b.specdec.v1.DraftStopReason\x12\x35\n\rdistributions\x18\x04 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x12\n\ncompute_ns\x18\x06 \x01(\x04\x12\x16\n\x0e\x62\x61tch_sessions\x18\x07 \x01(\x02\x12\r\n\x05steps\x18\x08 \x01(\r\x12\x10\n\x08queue_ns\x18\t \x01(\x04\x12\x13\n\x0bstep_cpu_ns\x18\n \x01(\x04\"\x95\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12;\n\x13\x64raft_distributions\x18\x05 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x1b\n\x13return_target_probs\x18\x06 \x01(\x08\x12\x13\n\x0byield_cores\x18\x07 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x94\x02\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12\x14\n\x0ctarget_probs\x18\x03 \x03(\x02\x12\x17\n\x0fnext_token_prob\x18\x04 \x01(\x02\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x12\n\ncompute_ns\x18\x06 \x01(\x04\x12\x16\n\x0e\x62\x61tch_sessions\x18\x07 \x01(\r\x12\x12\n\nbatch_rows\x18\x08 \x01(\r\x12\x10\n\x08queue_ns\x18\t \x01(\x04\x12\x13\n\x0bstep_cpu_ns\x18\n \x01(\x04\x12+\n\x08logprobs\x18\x0b \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\"\r\n\x0bInfoRequest\"\xef\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x18\n\x10max_draft_tokens\x18\t \x01(\r\x12\x10\n\x08sessions\x18\n \x01(\r\x12\x10\n\x08kv_bytes\x18\x0b \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x0c \x01(\x04\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12-\n\tscheduler\x18\x0e \x01(\x0b\x32\x1a.specdec.v1.SchedulerStats\x12\x0f\n\x07host_id\x18\x0f \x01(\t\x12\x11\n\tcpu_cores\x18\x10 \x01(\x02\"\xd6\x01\n\x0eSchedulerStats\x12\x10\n\x08\x66orwards\x18\x01 \x01(\x04\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x0f\n\x07\x62usy_ns\x18\x04 \x01(\x04\x12\r\n\x05\x63\x61lls\x18\x05 \x01(\x04\x12\x15\n\rqueue_wait_ns\x18\x06 \x01(\x04\x12\x0e\n\x06queued\x18\x07 \x01(\r\x12\x12\n\nmax_queued\x18\x08 \x01(\r\x12\x0e\n\x06\x63pu_ns\x18\t \x01(\x04\x12\x11\n\tgather_ns\x18\n \x01(\x04\x12\x14\n\x0cgather_waits\x18\x0b \x01(\x04\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*\xe0\x01\n\x0f\x44raftStopReason\x12!\n\x1d\x44RAFT_STOP_REASON_UNSPECIFIED\x10\x00\x12 \n\x1c\x44RAFT_STOP_REASON_MAX_TOKENS\x10\x01\x12$\n DRAFT_STOP_REASON_LOW_CONFIDENCE\x10\x02\x12\x19\n\x15\x44RAFT_STOP_REASON_EOS\x10\x03\x12#\n\x1f\x44RAFT_STOP_REASON_CONTEXT_LIMIT\x10\x04\x12\"\n\x1e\x44RAFT_STOP_REASON_NO_CANDIDATE\x10\x05\x32\xd1\x01\n\x0c\x44raftService\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse2\xcf\x01\n\rTargetService\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.specdec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTSTOPREASON']._serialized_start=2032
-  _globals['_DRAFTSTOPREASON']._serialized_end=2256
-  _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=161
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=163
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=217
-  _globals['_PROPOSEREQUEST']._serialized_start=220
-  _globals['_PROPOSEREQUEST']._serialized_end=425
-  _globals['_PROPOSERESPONSE']._serialized_start=428
-  _globals['_PROPOSERESPONSE']._serialized_end=714
-  _globals['_VERIFYREQUEST']._serialized_start=717
-  _globals['_VERIFYREQUEST']._serialized_end=994
-  _globals['_TOKENLOGPROBS']._serialized_start=996
-  _globals['_TOKENLOGPROBS']._serialized_end=1073
-  _globals['_VERIFYRESPONSE']._serialized_start=1076
-  _globals['_VERIFYRESPONSE']._serialized_end=1352
-  _globals['_INFOREQUEST']._serialized_start=1354
-  _globals['_INFOREQUEST']._serialized_end=1367
-  _globals['_INFORESPONSE']._serialized_start=1370
-  _globals['_INFORESPONSE']._serialized_end=1737
-  _globals['_SCHEDULERSTATS']._serialized_start=1740
-  _globals['_SCHEDULERSTATS']._serialized_end=1954
-  _globals['_RELEASEREQUEST']._serialized_start=1956
-  _globals['_RELEASEREQUEST']._serialized_end=1992
-  _globals['_RELEASERESPONSE']._serialized_start=1994
-  _globals['_RELEASERESPONSE']._serialized_end=2029
-  _globals['_DRAFTSERVICE']._serialized_start=2259
-  _globals['_DRAFTSERVICE']._serialized_end=2468
-  _globals['_TARGETSERVICE']._serialized_start=2471
-  _globals['_TARGETSERVICE']._serialized_end=2678
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_DRAFTSTOPREASON']._serialized_start=2241
+  _globals['_DRAFTSTOPREASON']._serialized_end=2465
+  _globals['_SAMPLINGPARAMS']._serialized_start=41
+  _globals['_SAMPLINGPARAMS']._serialized_end=370
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=322
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=370
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=372
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=426
+  _globals['_PROPOSEREQUEST']._serialized_start=429
+  _globals['_PROPOSEREQUEST']._serialized_end=634
+  _globals['_PROPOSERESPONSE']._serialized_start=637
+  _globals['_PROPOSERESPONSE']._serialized_end=923
+  _globals['_VERIFYREQUEST']._serialized_start=926
+  _globals['_VERIFYREQUEST']._serialized_end=1203
+  _globals['_TOKENLOGPROBS']._serialized_start=1205
+  _globals['_TOKENLOGPROBS']._serialized_end=1282
+  _globals['_VERIFYRESPONSE']._serialized_start=1285
+  _globals['_VERIFYRESPONSE']._serialized_end=1561
+  _globals['_INFOREQUEST']._serialized_start=1563
+  _globals['_INFOREQUEST']._serialized_end=1576
+  _globals['_INFORESPONSE']._serialized_start=1579
+  _globals['_INFORESPONSE']._serialized_end=1946
+  _globals['_SCHEDULERSTATS']._serialized_start=1949
+  _globals['_SCHEDULERSTATS']._serialized_end=2163
+  _globals['_RELEASEREQUEST']._serialized_start=2165
+  _globals['_RELEASEREQUEST']._serialized_end=2201
+  _globals['_RELEASERESPONSE']._serialized_start=2203
+  _globals['_RELEASERESPONSE']._serialized_end=2238
+  _globals['_DRAFTSERVICE']._serialized_start=2468
+  _globals['_DRAFTSERVICE']._serialized_end=2677
+  _globals['_TARGETSERVICE']._serialized_start=2680
+  _globals['_TARGETSERVICE']._serialized_end=2887
 # @@protoc_insertion_point(module_scope)

@@ -19,10 +19,7 @@ MESSAGES = [{"role": "user", "content": "a b c"}]
 
 # A value of each refused field that asks for something (the neutral ones are accepted)
 ASKING = {
-    "echo": True, "frequency_penalty": 2.0, "presence_penalty": 2.0,
-    "repetition_penalty": 1.3, "logit_bias": {"50256": -100}, "min_p": 1.0,
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"}, "best_of": 2,
+    "echo": True, "functions": [{"name": "f"}], "function_call": {"name": "f"}, "best_of": 2,
     "suffix": "x", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
     "reasoning_effort": "low", "web_search_options": {},
 }

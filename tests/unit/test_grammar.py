@@ -15,10 +15,9 @@ from draft_service.backends.hf import TransformersProposer
 from specdec import grammar as gr
 from specdec import sampling as sm
 from specdec.errors import InvalidArgument
-from specdec.models import load_hf, load_tokenizer
-from specdec.sessions import SessionStore
+from specdec.models import load_tokenizer
 from target_service.engine import TargetEngine
-from tests.support import BPE_VOCAB, make_bpe_model
+from tests.support import BPE_VOCAB
 
 EOS = 2  # the embedded tokenizer's <|im_end|> (and the tiny models' eos)
 
@@ -34,13 +33,8 @@ def grammars(tok):
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grammar-models")
-    target = TargetEngine(load_hf(str(make_bpe_model(root / "target", "llama", seed=5))), SessionStore(8, 1 << 30, 0),
-                          max_draft_tokens=8)
-    draft = TransformersProposer(load_hf(str(make_bpe_model(root / "draft", "llama", seed=6))),
-                                 SessionStore(8, 1 << 30, 0), max_draft_tokens=8)
-    return target, draft
+def engines(bpe_engines):
+    return bpe_engines
 
 
 def allowed_text(tok, mask: torch.Tensor) -> set[str]:
@@ -115,7 +109,7 @@ def decode(target: TargetEngine, draft: TransformersProposer | None, sid: str, p
 def test_speculative_greedy_under_a_grammar_equals_plain_greedy_under_it(engines, tok, pattern):
     target, draft = engines
     prompt = tok.encode("Say something:")
-    sampling = sm.Sampling(grammar=gr.from_regex(pattern), grammar_start=len(prompt))
+    sampling = sm.Sampling(grammar=gr.from_regex(pattern), output_start=len(prompt))
     plain = decode(target, None, "plain", prompt, 40, sampling)
     fast = decode(target, draft, "spec", prompt, 40, sampling)
     assert fast == plain
@@ -135,7 +129,7 @@ def test_speculative_sampling_under_a_grammar_keeps_the_targets_masked_law(engin
     n = 300
     counts = torch.zeros(BPE_VOCAB)
     for seed in range(n):
-        sampling = sm.Sampling(temperature=1.0, seed=seed, grammar=grammar, grammar_start=len(prompt))
+        sampling = sm.Sampling(temperature=1.0, seed=seed, grammar=grammar, output_start=len(prompt))
         proposal = draft.propose(f"s{seed}", prompt, 3, 0.0, sampling, return_distributions=True)
         v = target.verify(f"s{seed}", prompt, proposal.tokens, sampling, proposal.distributions)
         counts[proposal.tokens[0] if v.num_accepted else v.next_token] += 1
@@ -164,7 +158,7 @@ def test_speculative_sampling_under_a_grammar_keeps_the_targets_masked_law(engin
 def test_the_draft_samples_under_the_grammar_and_reports_the_masked_distribution(engines, tok):
     _, draft = engines
     prompt = tok.encode("Number:")
-    sampling = sm.Sampling(temperature=1.0, seed=7, grammar=gr.from_regex("[0-9]{4}"), grammar_start=len(prompt))
+    sampling = sm.Sampling(temperature=1.0, seed=7, grammar=gr.from_regex("[0-9]{4}"), output_start=len(prompt))
     proposal = draft.propose("digits", prompt, 6, 0.0, sampling, return_distributions=True)
     draft.release("digits")
     text = tok.decode(proposal.tokens)
@@ -177,15 +171,15 @@ def test_the_draft_samples_under_the_grammar_and_reports_the_masked_distribution
 def test_committed_tokens_the_grammar_refuses_are_invalid_argument_at_the_target(engines, tok):
     target, draft = engines
     prompt = tok.encode("Digits:")
-    sampling = sm.Sampling(grammar=gr.from_regex("[0-9]+"), grammar_start=len(prompt))
+    sampling = sm.Sampling(grammar=gr.from_regex("[0-9]+"), output_start=len(prompt))
     with pytest.raises(InvalidArgument, match="do not follow"):
         target.verify("bad", prompt + tok.encode("abc"), (), sampling)
     target.release("bad")
     # the draft proposes nothing after them (a pre-draft past a rejection may ask)
     assert draft.propose("bad", prompt + tok.encode("abc"), 4, 0.0, sampling).tokens == []
     draft.release("bad")
-    with pytest.raises(InvalidArgument, match="grammar_start"):
-        target.verify("bad", prompt, (), sm.Sampling(grammar=sampling.grammar, grammar_start=len(prompt) + 1))
+    with pytest.raises(InvalidArgument, match="output_start"):
+        target.verify("bad", prompt, (), sm.Sampling(grammar=sampling.grammar, output_start=len(prompt) + 1))
 
 
 def test_json_from_a_schema_parses(engines, tok):
@@ -193,7 +187,7 @@ def test_json_from_a_schema_parses(engines, tok):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}},
               "required": ["a", "b"], "additionalProperties": False}
     prompt = tok.encode("JSON:")
-    sampling = sm.Sampling(temperature=0.7, seed=3, grammar=gr.from_json_schema(schema), grammar_start=len(prompt))
+    sampling = sm.Sampling(temperature=0.7, seed=3, grammar=gr.from_json_schema(schema), output_start=len(prompt))
     out = decode(target, draft, "json", prompt, 60, sampling)
     assert out[-1] == EOS, tok.decode(out)
     value = json.loads(tok.decode(out[:-1]))
