@@ -6,6 +6,7 @@ distribution with all of them on."""
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 import torch
 from scipy.stats import chi2 as chi2_law
