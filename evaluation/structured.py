@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m evaluation.structured", description=__doc__.split("\n\n")[0])
     ap.add_argument("--answers", type=int, default=200, help="validity requests (default 200)")
     ap.add_argument("--compare", type=int, default=12, help="requests timed in the four modes (default 12)")
-    ap.add_argument("--max-tokens", type=int, default=160, help="tokens per request at most (default 160)")
+    ap.add_argument("--max-tokens", type=int, default=320,
+                    help="tokens per answer at most (default 320: the schemas bound their strings and arrays)")
     ap.add_argument("--url", help="an orchestrator already running (default: start the embedded stack here)")
     ap.add_argument("--out", type=Path, help="results folder (default evaluation/results/structured-<time>)")
     args = ap.parse_args(argv)

@@ -131,7 +131,7 @@ async def completions(body: CompletionRequest, request: Request):
     prompt_ids = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt)
     run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos, sampling, client_key(request),
                   body.logprob_count())
-    return await _respond(run, request, body.stream, chat=False)
+    return await _respond(run, request, body.stream, chat=False, echo=body.prompt if body.echo else "")
 
 
 @router.post("/chat/completions")
@@ -164,7 +164,7 @@ def _message(text: str, tool_plan: Any, finish: str) -> tuple[dict[str, Any], st
     return {"role": "assistant", "content": text}, finish
 
 
-async def _respond(run: Any, request: Request, stream: bool, chat: bool, tool_plan: Any = None):
+async def _respond(run: Any, request: Request, stream: bool, chat: bool, tool_plan: Any = None, echo: str = ""):
     rt = run.rt
     tokenizer = rt.tokenizer
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -187,7 +187,7 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool, tool_pl
             message, finish = _message(result["text"], tool_plan, finish)
             choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": result["text"], "finish_reason": finish, "logprobs": lp}
+            choice = {"index": 0, "text": echo + result["text"], "finish_reason": finish, "logprobs": lp}
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model, "choices": [choice], "usage": _usage(result), "specdec": result["stats"]}
 
@@ -216,6 +216,8 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool, tool_pl
         offset = 0
         if chat:
             yield {"data": chunk(None, None, first=True)}
+        elif echo:
+            yield {"data": chunk(echo, None)}
         held: list[str] = []
         async for event, payload in events:
             if event == "step" and tool_plan is not None:

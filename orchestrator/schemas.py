@@ -252,7 +252,6 @@ class GenerateResponse(BaseModel):
 # nothing (OpenAI's defaults): any other value is refused with a 400 naming the field, never
 # accepted and ignored (a client asking for JSON, logprobs or a penalty must be able to tell).
 REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "functions": (None, []),
     "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
@@ -293,7 +292,6 @@ class OpenAIRequest(SpeculationParams, ProcessingFields):
     logprobs: bool | int | None = Field(
         None, description="chat: true for each token's logprob; completions: the number of top logprobs (0-20).")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="chat: most likely tokens per position (0-20).")
-    echo: Any = None
     response_format: Any = Field(None, description="text, json_object or json_schema (strict): the output follows it.")
     structured_outputs: Any = Field(
         None, description="vLLM's extension: exactly one of json (a schema), regex, choice (strings), grammar (Lark "
@@ -329,6 +327,14 @@ class OpenAIRequest(SpeculationParams, ProcessingFields):
 class CompletionRequest(OpenAIRequest):
     prompt: Text | list[Text]
     max_tokens: int | None = Field(16, ge=1)
+    echo: bool | None = Field(None, description="Return the prompt before the completion (not with logprobs).")
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None and self.logprobs is not False:
+            raise ValueError("echo with logprobs would need the prompt's logprobs, which are not computed; "
+                             "ask for one of them")
+        return self
 
     @field_validator("logprobs")
     @classmethod

@@ -19,7 +19,7 @@ MESSAGES = [{"role": "user", "content": "a b c"}]
 
 # A value of each refused field that asks for something (the neutral ones are accepted)
 ASKING = {
-    "echo": True, "functions": [{"name": "f"}], "function_call": {"name": "f"}, "best_of": 2,
+    "functions": [{"name": "f"}], "function_call": {"name": "f"}, "best_of": 2,
     "suffix": "x", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
     "reasoning_effort": "low", "web_search_options": {},
 }
@@ -199,3 +199,16 @@ def test_structured_output_on_a_tokenizer_llguidance_cannot_read_is_a_400(served
                                        response_format={"type": "json_object"})
     assert "structured output is unavailable" in err.value.body["message"], err.value.body
     assert client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2).choices[0].message.content
+
+
+def test_echo_returns_the_prompt_first(served):
+    _, client, model = served
+    plain = client.completions.create(model=model, prompt="a b", max_tokens=3, temperature=0)
+    echoed = client.completions.create(model=model, prompt="a b", max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text == "a b" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="a b", max_tokens=3, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="a b", max_tokens=3, echo=True, logprobs=2)
+    assert "echo" in err.value.body["message"]
