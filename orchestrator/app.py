@@ -256,8 +256,9 @@ async def info(rt: Runtime = Depends(runtime)) -> dict[str, Any]:
 async def _prepare(rt: Runtime, body: GenerateRequest, request: Request) -> Run:
     sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), await grammar_of(body),
                         **body.processing())
-    prompt_ids = await tokenize(rt, client_key(request), request_prompt, rt, body)
-    return prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos, sampling, client_key(request))
+    prompt_ids, [slot] = await tokenize(rt, client_key(request), request_prompt, rt, body)
+    return prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos, sampling, client_key(request),
+                   slot=slot)
 
 
 @generate_router.post("/v1/generate", response_model=GenerateResponse)

@@ -149,12 +149,12 @@ class TargetClient(_Client):
     async def verify(self, session_id: str, tokens: Sequence[int], draft: Sequence[int], sampling: Sampling,
                      distributions: Sequence[tuple[list[int], list[float]]] = (),
                      return_target_probs: bool = True, yield_cores: bool = False,
-                     logprobs: int | None = None) -> Verified:
+                     logprobs: int | None = None, processed_logprobs: bool = False) -> Verified:
         request = pb.VerifyRequest(
             session_id=session_id, tokens=tokens, draft_tokens=draft, sampling=sampling_to_pb(sampling),
             draft_distributions=[pb.SparseDistribution(token_ids=i, probs=p) for i, p in distributions],
             return_target_probs=return_target_probs, yield_cores=yield_cores,
-            return_logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+            return_logprobs=logprobs is not None, top_logprobs=logprobs or 0, processed_logprobs=processed_logprobs,
         )
         t0 = time.perf_counter()
         r = await self.stub.Verify(request, timeout=self.timeout_s)

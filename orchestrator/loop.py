@@ -67,8 +67,9 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     480.0, 960.0, 1920.0, 7680.0)
 E2E = Histogram("specdec:e2e_request_latency_seconds", "Wall time of a whole generation.", _MODEL,
                 buckets=_REQUEST_BUCKETS)
-QUEUE_TIME = Histogram("specdec:request_queue_time_seconds", "Time a generation's first Verify waited in the "
-                       "target's queue before its forward pass.", _MODEL, buckets=_REQUEST_BUCKETS)
+QUEUE_TIME = Histogram("specdec:request_queue_time_seconds", "Time a generation waited for a slot in the "
+                       "orchestrator's admission queue plus the time its first Verify waited in the target's queue "
+                       "before its forward pass.", _MODEL, buckets=_REQUEST_BUCKETS)
 NUM_DRAFTS = Counter("specdec:spec_decode_num_drafts", "Steps that verified a non-empty draft.", _MODEL)
 NUM_DRAFT_TOKENS = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens verified.", _MODEL)
 NUM_ACCEPTED = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", _MODEL)
@@ -121,7 +122,10 @@ class GenerationParams:
     # None: no logprobs; n >= 0: each emitted token's raw logprob from the target's own verify row,
     # with the n most likely tokens' (the same bits whether the token was drafted or not)
     logprobs: int | None = None
+    # the logprobs of the distribution each token was chosen from instead (vLLM's processed_logprobs)
+    processed_logprobs: bool = False
     model_name: str = ""  # the served name: the model_name label of the vLLM-named metrics
+    queued_s: float = 0.0  # time in the orchestrator's admission queue (part of request_queue_time_seconds)
 
 
 @dataclass
@@ -499,7 +503,7 @@ class SpeculativeRequest:
                     step.proposal.distributions if step.proposal else (),
                     yield_cores=self.limits.draft_shares_host and (self.predraft is not None
                                                                    or self.draft.in_flight > 0),
-                    logprobs=p.logprobs))
+                    logprobs=p.logprobs, processed_logprobs=p.processed_logprobs))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.INVALID_ARGUMENT or not step.tokens:
                     raise
@@ -513,7 +517,7 @@ class SpeculativeRequest:
                 self.drop_predraft()
                 step.proposal, step.tokens = None, []
                 step.verified = await self.call(self.target.verify(self.session_id, self.seq, [], p.sampling,
-                                                                   logprobs=p.logprobs))
+                                                                   logprobs=p.logprobs, processed_logprobs=p.processed_logprobs))
         except grpc.aio.AioRpcError as exc:
             self.drop_predraft()
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -586,7 +590,7 @@ class SpeculativeRequest:
         if stats.iterations == 1:
             stats.first_token_ms = (now - self.t_start) * 1e3
             TTFT.labels(model).observe(now - self.t_start)
-            QUEUE_TIME.labels(model).observe(v.queue_ms / 1e3)
+            QUEUE_TIME.labels(model).observe(self.params.queued_s + v.queue_ms / 1e3)
         else:
             ITL.labels(model).observe(now - self.t_last_step)
         self.t_last_step = now

@@ -6,6 +6,8 @@ The official ``openai`` client works unchanged; speculation statistics ride alon
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -18,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from orchestrator import tools
 from orchestrator.openai_errors import OpenAIError, error_body
-from orchestrator.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from orchestrator.schemas import MAX_SEED, ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from orchestrator.service import (
     chat_prompt_ids,
     client_key,
@@ -96,9 +98,10 @@ def _finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _usage(result: dict[str, Any]) -> dict[str, int]:
-    # the tokens of the text returned: a stop string may end inside a block of accepted tokens
-    prompt, completion = result["prompt_tokens"], result["completion_tokens"]
+def _usage(results: list[dict[str, Any]]) -> dict[str, int]:
+    # the tokens of the text returned: a stop string may end inside a block of accepted tokens; the
+    # choices share one prompt
+    prompt, completion = results[0]["prompt_tokens"], sum(r["completion_tokens"] for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -128,10 +131,9 @@ async def completions(body: CompletionRequest, request: Request):
         raise HTTPException(400, detail="tools: tool calls are a chat completions feature (/v1/chat/completions)")
     sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), await grammar_of(body),
                         **body.processing())
-    prompt_ids = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt)
-    run = prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos, sampling, client_key(request),
-                  body.logprob_count())
-    return await _respond(run, request, body.stream, chat=False, echo=body.prompt if body.echo else "")
+    prompt_ids, slots = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt, n=body.n)
+    runs = _runs(rt, body, prompt_ids, body.max_tokens, sampling, slots, request)
+    return await _respond(runs, request, body.stream, chat=False, echo=body.prompt if body.echo else "")
 
 
 @router.post("/chat/completions")
@@ -147,12 +149,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                             "also follow response_format; drop one of them")
         grammar = tool_plan.grammar  # the call is generated under the grammar of its parameters
     sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), grammar, **body.processing())
-    prompt_ids = await tokenize(rt, client_key(request), chat_prompt_ids, rt, body.messages, tool_plan)
+    prompt_ids, slots = await tokenize(rt, client_key(request), chat_prompt_ids, rt, body.messages, tool_plan,
+                                       n=body.n)
     # OpenAI's chat has no default length: to EOS or the end of the context (up to the server's limit)
     max_tokens = body.max_completion_tokens or body.max_tokens or rt.settings.max_tokens_limit
-    run = prepare(rt, body, prompt_ids, max_tokens, body.stop, body.ignore_eos, sampling, client_key(request),
-                  body.logprob_count())
-    return await _respond(run, request, body.stream, chat=True, tool_plan=tool_plan)
+    runs = _runs(rt, body, prompt_ids, max_tokens, sampling, slots, request)
+    return await _respond(runs, request, body.stream, chat=True, tool_plan=tool_plan)
+
+
+def _runs(rt: Any, body: OpenAIRequest, prompt_ids: list[int], max_tokens: int | None, sampling: Sampling,
+          slots: list[Any], request: Request) -> list[Any]:
+    """One :class:`Run` per choice, each on its slot; choice i samples with seed + i (a greedy
+    request's choices are alike). A refusal releases every slot."""
+    runs = []
+    processed = (body.logprobs_mode or rt.settings.logprobs_mode) == "processed_logprobs"
+    try:
+        for i, slot in enumerate(slots):
+            choice = dataclasses.replace(sampling, seed=(sampling.seed + i) % MAX_SEED)
+            runs.append(prepare(rt, body, prompt_ids, max_tokens, body.stop, body.ignore_eos, choice,
+                                client_key(request), body.logprob_count(), slot))
+            runs[-1].params.processed_logprobs = processed
+    except BaseException:
+        for slot in slots:
+            slot.release()
+        raise
+    return runs
 
 
 def _message(text: str, tool_plan: Any, finish: str) -> tuple[dict[str, Any], str]:
@@ -164,14 +185,16 @@ def _message(text: str, tool_plan: Any, finish: str) -> tuple[dict[str, Any], st
     return {"role": "assistant", "content": text}, finish
 
 
-async def _respond(run: Any, request: Request, stream: bool, chat: bool, tool_plan: Any = None, echo: str = ""):
-    rt = run.rt
+async def _respond(runs: list[Any], request: Request, stream: bool, chat: bool, tool_plan: Any = None,
+                   echo: str = ""):
+    rt = runs[0].rt
     tokenizer = rt.tokenizer
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     model = rt.model_name
-    top = run.params.logprobs
+    top = runs[0].params.logprobs
     wants_logprobs = top is not None
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
 
     def logprobs_of(ids: list[int], entries: list[Any], offset: int = 0) -> dict[str, Any] | None:
         if not wants_logprobs:
@@ -179,26 +202,36 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool, tool_pl
         return (_chat_logprobs(tokenizer, ids, entries) if chat
                 else _completion_logprobs(tokenizer, ids, entries, top, offset))
 
-    if not stream:
-        _, result = await collect(run, request)
-        finish = _finish(result["finish_reason"])
-        lp = logprobs_of(result["token_ids"], result["logprobs"] or [])
-        if chat:
-            message, finish = _message(result["text"], tool_plan, finish)
-            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}
-        else:
-            choice = {"index": 0, "text": echo + result["text"], "finish_reason": finish, "logprobs": lp}
-        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model, "choices": [choice], "usage": _usage(result), "specdec": result["stats"]}
+    try:
+        if not stream:
+            results = await _all(collect(run, request) for run in runs)
+            choices = []
+            for index, (_, result) in enumerate(results):
+                finish = _finish(result["finish_reason"])
+                lp = logprobs_of(result["token_ids"], result["logprobs"] or [])
+                if chat:
+                    message, finish = _message(result["text"], tool_plan, finish)
+                    choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": lp})
+                else:
+                    choices.append({"index": index, "text": echo + result["text"], "finish_reason": finish,
+                                    "logprobs": lp})
+            stats = [result["stats"] for _, result in results]
+            return {"id": ident, "object": kind, "created": created, "model": model, "choices": choices,
+                    "usage": _usage([result for _, result in results]),
+                    "specdec": stats[0] if len(stats) == 1 else stats}
+        streams = await _all(start_stream(run, request) for run in runs)
+    except BaseException:
+        for run in runs:  # the choices that never started hold their slots until here
+            run.release()
+        raise
 
-    events = await start_stream(run, request)
-    kind = "chat.completion.chunk" if chat else "text_completion"
     # With stop strings a step's tokens may end past the text returned: their logprobs come with
     # the last chunk, cut to the tokens of the text; without, with each step's text.
     # With tools the text is held until the end, where the calls are parsed out of it.
-    per_step = not run.params.stop and tool_plan is None
+    per_step = not runs[0].params.stop and tool_plan is None
+    several = len(runs) > 1
 
-    def chunk(delta: str | None, finish: str | None, first: bool = False, extra: dict | None = None,
+    def chunk(index: int, delta: str | None, finish: str | None, first: bool = False, extra: dict | None = None,
               logprobs: dict[str, Any] | None = None, calls: list[dict[str, Any]] | None = None) -> str:
         if chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
@@ -206,18 +239,26 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool, tool_pl
                 d["content"] = delta
             if calls:
                 d["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": logprobs}
+            choice = {"index": index, "delta": d, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
+            choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
         return json.dumps({"id": ident, "object": kind, "created": created, "model": model, "choices": [choice],
                            **(extra or {})})
 
-    async def sse() -> AsyncIterator[dict[str, str]]:
+    async def choice_sse(index: int, events: AsyncIterator[Any]) -> AsyncIterator[tuple[str, Any]]:
+        """("data", chunk) items of one choice, then ("done", its result) or ("error", body)."""
+        try:
+            async for item in _choice_items(index, events):
+                yield item
+        finally:
+            await events.aclose()  # a client gone: the generation ends and frees its slot now
+
+    async def _choice_items(index: int, events: AsyncIterator[Any]) -> AsyncIterator[tuple[str, Any]]:
         offset = 0
         if chat:
-            yield {"data": chunk(None, None, first=True)}
+            yield "data", chunk(index, None, None, first=True)
         elif echo:
-            yield {"data": chunk(echo, None)}
+            yield "data", chunk(index, echo, None)
         held: list[str] = []
         async for event, payload in events:
             if event == "step" and tool_plan is not None:
@@ -225,7 +266,7 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool, tool_pl
             elif event == "step" and (payload.text or (per_step and wants_logprobs and payload.tokens)):
                 lp = logprobs_of(payload.tokens, payload.logprobs or [], offset) if per_step else None
                 offset += len(payload.text)
-                yield {"data": chunk(payload.text, None, logprobs=lp)}
+                yield "data", chunk(index, payload.text, None, logprobs=lp)
             elif event == "done":
                 lp = None
                 if wants_logprobs and not per_step:
@@ -234,12 +275,75 @@ async def _respond(run: Any, request: Request, stream: bool, chat: bool, tool_pl
                 if tool_plan is not None:
                     message, finish = _message(payload["text"], tool_plan, finish)
                     if message["content"] or message.get("tool_calls"):
-                        yield {"data": chunk(message["content"], None, calls=message.get("tool_calls"))}
-                yield {"data": chunk(None, finish, logprobs=lp,
-                                     extra={"usage": _usage(payload), "specdec": payload["stats"]})}
+                        yield "data", chunk(index, message["content"], None, calls=message.get("tool_calls"))
+                # one choice: usage and statistics ride on its last chunk; several: a chunk of their own
+                extra = None if several else {"usage": _usage([payload]), "specdec": payload["stats"]}
+                yield "data", chunk(index, None, finish, logprobs=lp, extra=extra)
+                yield "done", payload
             elif event == "error":
-                yield {"data": json.dumps(error_body(payload["status"], payload["detail"]))}
+                yield "error", json.dumps(error_body(payload["status"], payload["detail"]))
+                return
+
+    async def sse() -> AsyncIterator[dict[str, str]]:
+        results = []
+        async for item, data in merge([choice_sse(i, events) for i, events in enumerate(streams)]):
+            if item == "done":
+                results.append(data)
+                continue
+            yield {"data": data}
+            if item == "error":
                 break
+        else:
+            if several:
+                yield {"data": json.dumps({"id": ident, "object": kind, "created": created, "model": model,
+                                           "choices": [], "usage": _usage(results),
+                                           "specdec": [r["stats"] for r in results]})}
         yield {"data": "[DONE]"}
 
     return BoundedEventSource(sse(), rt.settings.stream_send_timeout_s)
+
+
+async def _all(calls: Any) -> list[Any]:
+    """Every awaitable's result, in order; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of several async iterators as they come (one: that iterator as is); closing this
+    one cancels and closes them all."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield item
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))  # a slow client slows the choices
+    end = object()
+
+    async def pump(stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        finally:
+            await queue.put(end)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is end:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -42,6 +42,9 @@ class Runtime:
     degraded: str = ""
     active: int = 0
     active_per_key: dict[str, int] = field(default_factory=dict)
+    # The admission queue: one future per request waiting for a slot (orchestrator.service.admit);
+    # every freed slot, and the drain, resolves them all and each waiter checks again, in order.
+    waiters: list[asyncio.Future] = field(default_factory=list)
     # Tokenising and chat templates run here, off the event loop (a 1 MiB prompt takes long enough
     # to stall every stream), one at a time: a fast tokenizer's settings are mutated by each call,
     # so concurrent calls on one tokenizer can fail ("Already borrowed").
@@ -69,8 +72,17 @@ class Runtime:
         """Stop admitting; generations in progress get ``drain_timeout_s`` to finish (SIGTERM)."""
         if self.draining_since is None:
             self.draining_since = time.monotonic()
+            # the queued requests get their 503 now (a signal handler may run this outside the loop's turn)
+            for waiter in self.waiters:
+                waiter.get_loop().call_soon_threadsafe(lambda w=waiter: w.done() or w.set_result(None))
             logger.info("draining: no new requests; %d in progress get %.0f s to finish",
                         self.active, self.settings.drain_timeout_s)
+
+    def wake_waiters(self) -> None:
+        """A slot was freed (or the drain began): every queued request checks again."""
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def drain_expired(self) -> bool:
         return self.draining_since is not None and time.monotonic() - self.draining_since >= self.settings.drain_timeout_s

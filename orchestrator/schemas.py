@@ -14,6 +14,7 @@ from specdec.params import MAX_LOGIT_BIAS
 # below 2**63 so it also fits signed consumers).
 MAX_TOP_K = (1 << 32) - 1
 MAX_SEED = 1 << 63
+MAX_CHOICES = 16  # n per request (each choice holds a slot of max_concurrent_requests)
 
 
 def valid_text(value: str) -> str:
@@ -287,11 +288,17 @@ class OpenAIRequest(SpeculationParams, ProcessingFields):
     ignore_eos: bool = Field(False, description="vLLM's extension: keep generating past end-of-sequence tokens.")
 
     _stops = field_validator("stop")(classmethod(lambda cls, v: stop_list(v)))
-    n: int = Field(1, description="Only n = 1 is supported.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate, each its own generation (and slot); "
+                                                     "choice i samples with seed + i.")
 
     logprobs: bool | int | None = Field(
         None, description="chat: true for each token's logprob; completions: the number of top logprobs (0-20).")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="chat: most likely tokens per position (0-20).")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = Field(
+        None, description="vLLM's names: raw_logprobs, the target's log-softmax of its logits; processed_logprobs, the "
+                          "distribution each token was chosen from (after logit_bias, penalties, the grammar, "
+                          "temperature, top-k, top-p and min_p; what it excludes is -9999). Default: the server's "
+                          "logprobs_mode.")
     response_format: Any = Field(None, description="text, json_object or json_schema (strict): the output follows it.")
     structured_outputs: Any = Field(
         None, description="vLLM's extension: exactly one of json (a schema), regex, choice (strings), grammar (Lark "
@@ -315,13 +322,6 @@ class OpenAIRequest(SpeculationParams, ProcessingFields):
     guided_grammar: Any = Field(None, description="vLLM's older spelling of structured_outputs.grammar.")
 
     _refused = field_validator(*REFUSED_FIELDS)(classmethod(lambda cls, v, info: _refuse(v, info)))
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"n={v}: only one choice per request is supported (send n requests)")
-        return v
 
 
 class CompletionRequest(OpenAIRequest):

@@ -283,7 +283,8 @@ async def server(request: Request) -> dict[str, Any]:
     """A live snapshot of the deployment. Windowed figures cover the last ~10 s (`window_s`) and are
     `null` while there is nothing to divide by; cumulative ones count since the orchestrator started.
 
-    - `ready`, `reason`: as `/ready`. `active_streams`: generations in progress; `max_concurrent_requests`.
+    - `ready`, `reason`: as `/ready`. `active_streams`: generations in progress; `max_concurrent_requests`;
+      `queued_requests`: requests in the admission queue, waiting for a slot.
     - `tokens_per_second` (and `tokens_per_second_by_mode`), `requests_per_second` (finished
       generations), `steps_per_second` (target passes): rates over the window.
     - `acceptance_rate`: accepted / drafted tokens; `mean_accepted_per_draft`; `mean_k`: mean draft
@@ -314,6 +315,7 @@ async def server(request: Request) -> dict[str, Any]:
         "degraded": rt.degraded,
         "active_streams": rt.active,
         "max_concurrent_requests": rt.settings.max_concurrent_requests,
+        "queued_requests": len(rt.waiters),
         **orchestrator_view(stats.local.latest(), stats.local.window()),
         "services": {"draft": draft, "target": target},
     }

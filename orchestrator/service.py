@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import HTTPException, Request
+from prometheus_client import Gauge
 
 from orchestrator.controller import make_controller
 from orchestrator.loop import (
@@ -27,19 +28,25 @@ from orchestrator.runtime import Runtime
 from orchestrator.schemas import ChatMessage, GenerateRequest, SpeculationParams, Step
 from specdec.params import Sampling
 
+WAITING = Gauge("specdec:num_requests_waiting", "Requests in the admission queue, waiting for a slot.", ["model_name"])
+
 
 @dataclass
-class Run:
-    """A validated generation, ready to start; it holds a concurrency slot until :meth:`release`."""
+class Slot:
+    """One of ``max_concurrent_requests`` (and of the key's ``max_concurrent_requests_per_key``),
+    held from admission to :meth:`release`; a release wakes the admission queue."""
 
     rt: Runtime
-    params: GenerationParams
-    controller_name: str
-    k: int
-    max_k: int
-    prompt_tokens: int
     key: str | None = None
+    queued_s: float = 0.0  # how long the request waited in the admission queue for it
     released: bool = False
+
+    @classmethod
+    def take(cls, rt: Runtime, key: str | None, queued_s: float = 0.0) -> Slot:
+        rt.active += 1
+        if key is not None:
+            rt.active_per_key[key] = rt.active_per_key.get(key, 0) + 1
+        return cls(rt, key, queued_s)
 
     def release(self) -> None:
         if self.released:
@@ -52,6 +59,23 @@ class Run:
                 self.rt.active_per_key[self.key] = left
             else:
                 self.rt.active_per_key.pop(self.key, None)
+        self.rt.wake_waiters()
+
+
+@dataclass
+class Run:
+    """A validated generation, ready to start; it holds its :class:`Slot` until :meth:`release`."""
+
+    rt: Runtime
+    params: GenerationParams
+    controller_name: str
+    k: int
+    max_k: int
+    prompt_tokens: int
+    slot: Slot
+
+    def release(self) -> None:
+        self.slot.release()
 
 
 # How long a client told 429 should wait before retrying: about one short generation.
@@ -82,12 +106,26 @@ def require_ready(rt: Runtime) -> None:
         raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
 
 
-async def tokenize(rt: Runtime, key: str | None, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-    """``fn(*args)`` (prompt -> token ids) on :attr:`Runtime.tokenizer_thread`, after the admission
-    checks that need no tokens: a request that would get 429 is refused before its prompt costs anything."""
-    require_ready(rt)
-    check_admission(rt, key)
-    return await asyncio.get_running_loop().run_in_executor(rt.tokenizer_thread, fn, *args)
+async def tokenize(rt: Runtime, key: str | None, fn: Callable[..., list[int]], *args: Any, n: int = 1
+                   ) -> tuple[list[int], list[Slot]]:
+    """``n`` slots (:func:`admit`: the admission queue; one per choice), then ``fn(*args)`` (prompt
+    -> token ids) on :attr:`Runtime.tokenizer_thread`: a request that cannot be admitted is refused
+    before its prompt costs anything. The slots go to :func:`prepare`; they are released here when
+    tokenising fails."""
+    slots = await admit(rt, key, n)
+    try:
+        ids = await asyncio.get_running_loop().run_in_executor(rt.tokenizer_thread, fn, *args)
+    except BaseException:
+        for slot in slots:
+            slot.release()
+        raise
+    return ids, slots
+
+
+def has_slot(rt: Runtime, key: str | None, n: int = 1) -> bool:
+    s = rt.settings
+    return rt.active + n <= s.max_concurrent_requests and (
+        key is None or rt.active_per_key.get(key, 0) + n <= s.max_concurrent_requests_per_key)
 
 
 def check_admission(rt: Runtime, key: str | None) -> None:
@@ -98,6 +136,46 @@ def check_admission(rt: Runtime, key: str | None) -> None:
     if key is not None and rt.active_per_key.get(key, 0) >= s.max_concurrent_requests_per_key:
         raise too_busy(f"too many concurrent requests for this API key (limit {s.max_concurrent_requests_per_key}); "
                        "retry shortly")
+
+
+async def admit(rt: Runtime, key: str | None, n: int = 1) -> list[Slot]:
+    """``n`` free slots at once (taken together: a request of several choices never holds part of
+    them while it waits), else a place in the admission queue until they free (in order among the
+    waiters whose key has room). 400 when ``n`` is over a limit it could never fit; 429 when the
+    queue is full (``max_queued_requests``) or no slot freed within ``queue_timeout_s``; 503 when
+    the server starts draining or stops being ready meanwhile."""
+    require_ready(rt)
+    s = rt.settings
+    limit = min(s.max_concurrent_requests, s.max_concurrent_requests_per_key if key is not None else n)
+    if n > limit:
+        raise HTTPException(400, detail=f"n: {n} choices, over this server's {limit} concurrent generations "
+                                        "per request; send fewer")
+    if has_slot(rt, key, n):
+        return [Slot.take(rt, key) for _ in range(n)]
+    if len(rt.waiters) >= s.max_queued_requests:
+        check_admission(rt, key)  # raises the 429 that names the limit
+        raise too_busy(f"too many concurrent requests (limit {s.max_concurrent_requests}, {n} asked); retry shortly")
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    deadline = t0 + s.queue_timeout_s
+    gauge = WAITING.labels(rt.model_name)
+    while True:
+        waiter = loop.create_future()
+        rt.waiters.append(waiter)
+        gauge.set(len(rt.waiters))
+        try:
+            await asyncio.wait_for(waiter, max(deadline - loop.time(), 0))
+        except TimeoutError:
+            raise too_busy(f"no slot freed within queue_timeout_s ({s.queue_timeout_s:g} s): "
+                           f"{rt.active} generations in progress, {len(rt.waiters) - 1} others waiting; "
+                           "retry shortly") from None
+        finally:
+            rt.waiters.remove(waiter)
+            gauge.set(len(rt.waiters))
+        # checked and taken in one turn of the loop: the waiters ahead took theirs first
+        require_ready(rt)
+        if has_slot(rt, key, n):
+            return [Slot.take(rt, key, loop.time() - t0) for _ in range(n)]
 
 
 def encode_prompt(rt: Runtime, prompt: str) -> list[int]:
@@ -117,7 +195,25 @@ def request_prompt(rt: Runtime, body: GenerateRequest) -> list[int]:
 
 def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tokens: int | None,
             stop: list[str] | str | None, ignore_eos: bool, sampling: Sampling, key: str | None = None,
-            logprobs: int | None = None) -> Run:
+            logprobs: int | None = None, slot: Slot | None = None) -> Run:
+    """The request's :class:`Run`, holding ``slot`` (from :func:`tokenize`; None: one is taken
+    here, or 429). Any refusal here releases the slot."""
+    try:
+        params, name, k, max_k = _params(rt, spec, prompt_ids, max_tokens, stop, ignore_eos, sampling, logprobs)
+        if slot is None:
+            check_admission(rt, key)
+            slot = Slot.take(rt, key)
+    except BaseException:
+        if slot is not None:
+            slot.release()
+        raise
+    params.queued_s = slot.queued_s
+    return Run(rt, params, name, k, max_k, len(prompt_ids), slot)
+
+
+def _params(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tokens: int | None,
+            stop: list[str] | str | None, ignore_eos: bool, sampling: Sampling, logprobs: int | None
+            ) -> tuple[GenerationParams, str, int, int]:
     require_ready(rt)
     s = rt.settings
     limits = rt.limits
@@ -155,13 +251,7 @@ def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
         logprobs=logprobs,
         model_name=rt.model_name,
     )
-    # Admission last (again: slots may have filled while the prompt was tokenised): everything
-    # above only reads, so a rejected request holds no slot.
-    check_admission(rt, key)
-    rt.active += 1
-    if key is not None:
-        rt.active_per_key[key] = rt.active_per_key.get(key, 0) + 1
-    return Run(rt, params, name, k, max_k, len(prompt_ids), key)
+    return params, name, k, max_k
 
 
 # What a generation sends its route: ("step", Step) per iteration, then ("done", result_dict), or in

@@ -67,10 +67,22 @@ class OrchestratorSettings(BaseSettings):
                                "chat runs to EOS, the end of the context or max_tokens_limit).")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get HTTP 413.")
-    max_concurrent_requests: int = Field(64, ge=1, description="More concurrent generations get HTTP 429.")
+    max_concurrent_requests: int = Field(
+        64, ge=1, description="Generations in progress at once; more wait in the admission queue (before their prompt "
+                              "is tokenised) for a slot.")
     max_concurrent_requests_per_key: int = Field(
-        16, ge=1, description="More concurrent generations under one API key get HTTP 429 (with API keys set)."
-    )
+        16, ge=1, description="Generations in progress at once under one API key (with API keys set); more wait in the "
+                              "admission queue.")
+    max_queued_requests: int = Field(
+        256, ge=0, description="Requests that may wait in the admission queue for a slot; more get HTTP 429 at once "
+                               "(0: no queue, every request over the limits gets 429).")
+    queue_timeout_s: float = Field(
+        30.0, gt=0, description="How long a request waits in the admission queue for a slot before it gets HTTP 429 "
+                                "(with Retry-After).")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        "raw_logprobs", description="The logprobs an OpenAI request gets when it names no logprobs_mode: raw_logprobs "
+                                    "(the target's log-softmax at each position) or processed_logprobs (of the "
+                                    "distribution each token was chosen from), as vLLM's --logprobs-mode.")
     drain_timeout_s: float = Field(
         25.0, ge=0, description="On SIGTERM the orchestrator stops admitting (503, /ready 503 `draining`) and lets the "
                                 "generations in progress finish for this long; any still running then ends with a 503 "

@@ -46,6 +46,7 @@ MIN_PREFILL_CHUNK = 16
 # tokens, 64 against 256 cut p99 inter-token latency from 280 to 211 ms at equal throughput.
 DEFAULT_SHARED_PREFILL_ROWS = 64
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+LOGPROB_FLOOR = -9999.0  # a processed logprob of a token its distribution excludes (OpenAI's floor)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class VerifyJob(CpuAccounted):
     return_target_probs: bool
     yield_cores: bool = False  # a draft computes on this host meanwhile: run on overlap_threads
     logprobs: int | None = None  # None: none; n >= 0: each emitted token's raw logprob and the top n
+    processed_logprobs: bool = False  # logprobs of the distribution each token was chosen from instead
     prepare_ns: int = 0
     queue_ns: int = 0  # set by the scheduler: wait before the first step
     started_ns: int = 0  # perf_counter_ns of the first step that computed for it
@@ -248,10 +250,13 @@ class TargetEngine:
         return_target_probs: bool = False,
         yield_cores: bool = False,
         logprobs: int | None = None,
+        processed_logprobs: bool = False,
     ) -> VerifyJob:
         """Validate a Verify request (raises InvalidArgument) without touching the model.
         ``logprobs``: None for none, else each emitted token's raw log-probability and the
-        ``logprobs`` most likely tokens' (at most MAX_TOP_LOGPROBS)."""
+        ``logprobs`` most likely tokens' (at most MAX_TOP_LOGPROBS); ``processed_logprobs``: those
+        of the distribution the token was chosen from (after logit processing, the grammar's mask and
+        the sampling transform) instead."""
         t0 = time.perf_counter_ns()
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs is {logprobs}; at most {MAX_TOP_LOGPROBS}")
@@ -281,7 +286,7 @@ class TargetEngine:
             q = [_dense_distribution(i, ids, probs, x, self.lm.vocab_size)
                  for i, ((ids, probs), x) in enumerate(zip(draft_distributions, draft, strict=True))]
         return VerifyJob(session_id, tokens, draft, sampling, q, return_target_probs, yield_cores, logprobs,
-                         prepare_ns=time.perf_counter_ns() - t0)
+                         processed_logprobs, prepare_ns=time.perf_counter_ns() - t0)
 
     def step(self, jobs: list[VerifyJob]) -> StepResult:
         """One batched forward pass over the jobs waiting (oldest first): see :class:`StepResult`.
@@ -411,7 +416,12 @@ class TargetEngine:
             # its one row: the same bits whether the token came from the draft or the target
             logprobs = []
             for i, token in enumerate([*draft[:num_accepted], next_token]):
-                lp = torch.log_softmax(raw[i], dim=-1)
+                if not job.processed_logprobs:
+                    lp = torch.log_softmax(raw[i], dim=-1)
+                else:  # the distribution the token was chosen from; what it excludes at OpenAI's floor
+                    row = p[i] if p is not None and not sampling.greedy else None
+                    lp = (torch.log(row) if row is not None else torch.log_softmax(logits[i], dim=-1))
+                    lp = lp.clamp(min=LOGPROB_FLOOR)
                 top = torch.topk(lp, job.logprobs) if job.logprobs else None
                 logprobs.append((float(lp[token]), top.indices.tolist() if top is not None else [],
                                  top.values.tolist() if top is not None else []))

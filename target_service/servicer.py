@@ -39,6 +39,7 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServiceServicer):
             request.return_target_probs,
             request.yield_cores,
             request.top_logprobs if request.return_logprobs else None,
+            request.processed_logprobs,
         )
         result = self._submit(job, context)
         STEPS.inc()

@@ -190,13 +190,13 @@ class EngineTarget:
         self.yield_cores: list[bool] = []  # per Verify: whether it asked to leave cores to a draft
 
     async def verify(self, session_id, tokens, draft, sampling, distributions=(), return_target_probs=True,
-                     yield_cores=False, logprobs=None):
+                     yield_cores=False, logprobs=None, processed_logprobs=False):
         from orchestrator.clients import Verified
 
         self.yield_cores.append(yield_cores)
         try:
             v = self.engine.verify(session_id, tokens, draft, sampling, distributions, return_target_probs, yield_cores,
-                                   logprobs)
+                                   logprobs, processed_logprobs)
         except InvalidArgument as exc:
             raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        str(exc)) from exc

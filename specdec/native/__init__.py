@@ -164,6 +164,11 @@ def build(folder: Path | None = None, source: Path | None = None, sanitize: bool
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise NativeError(f"{Path(cc).name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        # mkstemp's file is the owner's only: a library built by one user (the image's build, as
+        # root) must load for the others (the services' user) as the compiler's own output would
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeError(f"compiling {source.name} and its parts failed: {exc}") from exc

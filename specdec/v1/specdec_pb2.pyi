@@ -106,7 +106,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, draft_tokens: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[_Union[DraftStopReason, str]] = ..., distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ..., batch_sessions: _Optional[float] = ..., steps: _Optional[int] = ..., queue_ns: _Optional[int] = ..., step_cpu_ns: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "tokens", "draft_tokens", "sampling", "draft_distributions", "return_target_probs", "yield_cores", "return_logprobs", "top_logprobs")
+    __slots__ = ("session_id", "tokens", "draft_tokens", "sampling", "draft_distributions", "return_target_probs", "yield_cores", "return_logprobs", "top_logprobs", "processed_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class VerifyRequest(_message.Message):
     YIELD_CORES_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -125,7 +126,8 @@ class VerifyRequest(_message.Message):
     yield_cores: bool
     return_logprobs: bool
     top_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., return_target_probs: _Optional[bool] = ..., yield_cores: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    processed_logprobs: bool
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., return_target_probs: _Optional[bool] = ..., yield_cores: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

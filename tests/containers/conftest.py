@@ -115,7 +115,10 @@ class Stack:
         return int(children[0])
 
     def logs(self, service: str, tail: int = 40) -> str:
-        return podman("logs", "--tail", str(tail), self.container(service), check=False, timeout=30)
+        """The container's last ``tail`` lines, stdout and stderr (where the services log) together."""
+        done = subprocess.run(["podman", "logs", "--tail", str(tail), self.container(service)], capture_output=True,
+                              text=True, timeout=30, stdin=subprocess.DEVNULL)
+        return done.stdout + done.stderr
 
     def project_leftovers(self) -> dict[str, list[str]]:
         label = f"label=com.docker.compose.project={PROJECT}"

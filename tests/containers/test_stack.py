@@ -167,6 +167,10 @@ def test_grpcurl_target_service(stack: Stack) -> None:
     fingerprints = {field(json.loads(grpcurl(stack.grpc(s), f"specdec.v1.{s.capitalize()}Service/Info")),
                           "tokenizer_fingerprint") for s in ("draft", "target")}
     assert len(fingerprints) == 1
+    # Both model services load the kernels the image ships prebuilt (as the services' own user):
+    # without them the target would fall back to torch ops and the draft to llama.cpp.
+    for service in ("draft", "target"):
+        assert "native kernels unavailable" not in stack.logs(service, tail=2000), stack.logs(service)
 
 
 def test_dashboard_answers(stack: Stack) -> None:

@@ -48,7 +48,8 @@ CASES = [
      '{"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url"}]}], "max_tokens": 4}',
      OK_OR_REFUSED),
     ("two-prompts", "/v1/completions", '{"prompt": ["a", "b"], "max_tokens": 4}', CLIENT_ERROR),
-    ("n-2", "/v1/completions", '{"prompt": "a", "n": 2}', CLIENT_ERROR),
+    ("n-0", "/v1/completions", '{"prompt": "a", "n": 0}', CLIENT_ERROR),
+    ("n-huge", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "n": 100000}', CLIENT_ERROR),
 ]
 
 

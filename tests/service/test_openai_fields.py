@@ -5,6 +5,7 @@ real target service (the tiny GPT-2, gRPC, in this process), the draft unreachab
 from __future__ import annotations
 
 import json
+import math
 
 import openai
 import pytest
@@ -69,11 +70,44 @@ def test_fields_that_ask_for_nothing_are_accepted(served):
     assert done.usage.completion_tokens >= 1
 
 
-def test_n_above_one_is_refused(served):
+def test_n_choices_are_the_seeded_generations_seed_plus_i(served):
     _, client, model = served
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, n=2)
-    assert err.value.body["param"] == "n" and "one choice" in err.value.body["message"]
+    many = client.completions.create(model=model, prompt="a b", max_tokens=6, temperature=1.0, seed=5, n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    singles = [client.completions.create(model=model, prompt="a b", max_tokens=6, temperature=1.0, seed=5 + i)
+               for i in range(3)]
+    assert [c.text for c in many.choices] == [s.choices[0].text for s in singles]
+    assert len({c.text for c in many.choices}) > 1  # sampled apart, not one answer three times
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    greedy = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, temperature=0, n=2)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_n_choices_stream_with_their_index_and_one_usage_chunk(served):
+    _, client, model = served
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=9, n=2)
+    texts, finishes, usage = {0: "", 1: ""}, {}, None
+    for chunk in client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=9,
+                                                n=2, stream=True, stream_options={"include_usage": True}):
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert usage.completion_tokens == whole.usage.completion_tokens and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_out_of_range_is_refused(served):
+    _, client, model = served
+    for n in (0, 17):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, n=n)
+        assert err.value.body["param"] == "n", err.value.body
 
 
 def test_an_unknown_model_is_404_model_not_found(served):
@@ -188,6 +222,45 @@ def test_completion_logprobs_in_openais_legacy_shape(served):
     assert with_stop.choices[0].logprobs.top_logprobs is None
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="a", max_tokens=2, logprobs=21)
+
+
+def test_processed_logprobs_are_those_of_the_distribution_sampled_from(served):
+    _, client, model = served
+
+    def chat(**kw):
+        return client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, logprobs=True,
+                                              top_logprobs=3, **kw)
+
+    # temperature 0.7, top-k 2: two tokens per position carry the whole probability, the third is excluded
+    raw = chat(temperature=0.7, seed=3, extra_body={"top_k": 2})
+    done = chat(temperature=0.7, seed=3, extra_body={"top_k": 2, "logprobs_mode": "processed_logprobs"})
+    assert done.choices[0].message.content == raw.choices[0].message.content  # the mode changes no token
+    for p, r in zip(done.choices[0].logprobs.content, raw.choices[0].logprobs.content, strict=True):
+        tops = [t.logprob for t in p.top_logprobs]
+        assert tops[2] == -9999.0 and abs(math.exp(tops[0]) + math.exp(tops[1]) - 1) < 1e-4
+        assert p.logprob in tops[:2] and p.logprob > r.logprob - 1e-6  # renormalised over two: never lower
+        assert [t.token for t in p.top_logprobs[:2]] == [t.token for t in r.top_logprobs[:2]]
+        # the raw pair at temperature 0.7, renormalised: the processed pair
+        a, b = (t.logprob / 0.7 for t in r.top_logprobs[:2])
+        assert abs(tops[0] - (a - math.log(math.exp(a) + math.exp(b)))) < 1e-3
+    # greedy with a bias against the raw favourite: processed sees the bias, raw does not
+    first = raw.choices[0].logprobs.content[0].top_logprobs[0]
+    token_id = client_token_id(served, first.token)
+    greedy = {mode: chat(temperature=0, logit_bias={str(token_id): -100}, extra_body={"logprobs_mode": mode})
+              for mode in ("raw_logprobs", "processed_logprobs")}
+    raw_first = greedy["raw_logprobs"].choices[0].logprobs.content[0]
+    processed_first = greedy["processed_logprobs"].choices[0].logprobs.content[0]
+    assert raw_first.top_logprobs[0].token == first.token  # raw: the model's own favourite, bias unseen
+    assert first.token not in [t.token for t in processed_first.top_logprobs]
+    assert processed_first.logprob == processed_first.top_logprobs[0].logprob  # greedy took the likeliest
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(temperature=0, extra_body={"logprobs_mode": "raw_logits"})
+    assert err.value.body["param"] == "logprobs_mode"
+
+
+def client_token_id(served, text: str) -> int:
+    http = served[0]
+    return http.app.state.rt.tokenizer.convert_tokens_to_ids(text)
 
 
 def test_structured_output_on_a_tokenizer_llguidance_cannot_read_is_a_400(served):

@@ -184,6 +184,30 @@ def test_logprobs_are_the_same_with_speculation_on_and_off(embedded_stack):
     assert drafted > 0  # speculation did run: some tokens came from the draft
 
 
+def test_processed_logprobs_are_the_same_with_speculation_on_and_off(embedded_stack):
+    """processed_logprobs under a penalty and a bias (logit processing with each row's own
+    history): the target's processed row at each position, drafted or not, the same numbers."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=embedded_stack["url"] + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    runs = {}
+    for mode in ("speculative", "autoregressive"):
+        runs[mode] = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "List five fruits."}], max_tokens=40, temperature=0,
+            logprobs=True, top_logprobs=3, presence_penalty=0.8, logit_bias={"28": -5},
+            extra_body={"mode": mode, "logprobs_mode": "processed_logprobs", "repetition_penalty": 1.2})
+    spec, plain = runs["speculative"], runs["autoregressive"]
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    a, b = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
+    assert len(a) == len(b) == spec.usage.completion_tokens
+    for x, y in zip(a, b, strict=True):
+        assert x.token == y.token and abs(x.logprob - y.logprob) <= 1e-4
+        assert x.logprob == x.top_logprobs[0].logprob  # greedy on the processed row: its likeliest
+        assert max(abs(s.logprob - t.logprob) for s, t in zip(x.top_logprobs, y.top_logprobs, strict=True)) <= 1e-4
+    assert spec.model_extra["specdec"]["accepted_tokens"] > 0
+
+
 def test_seeded_sampling_is_reproducible(embedded_stack):
     """A seed gives the same output for the same k schedule (docs/batching.md). The schedule moves
     only when a Propose misses its deadline (a draft fallback: a machine too busy), so the pair is

@@ -60,6 +60,16 @@ def test_sampled_json_schema_answers_validate(client):
         assert r.model_extra["specdec"]["draft_tokens"] > 0  # speculation stayed on
 
 
+def test_n_sampled_choices_under_a_schema_are_the_seeded_single_requests(client):
+    many = chat(client, ASKS[0], temperature=0.9, seed=21, n=3, max_tokens=200, response_format=SCHEMA_FORMAT)
+    assert len(many.choices) == 3 and len(many.model_extra["specdec"]) == 3
+    for i, choice in enumerate(many.choices):
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        one = chat(client, ASKS[0], temperature=0.9, seed=21 + i, max_tokens=200, response_format=SCHEMA_FORMAT)
+        assert choice.message.content == one.choices[0].message.content
+    assert sum(stats["draft_tokens"] for stats in many.model_extra["specdec"]) > 0  # speculation stayed on
+
+
 def test_json_object_is_an_object(client):
     r = chat(client, "List three colours.", temperature=0, max_tokens=150, response_format={"type": "json_object"})
     text = r.choices[0].message.content

@@ -160,8 +160,13 @@ def test_a_row_after_a_huge_score_gap_stays_finite(native):
 
 
 def test_build_reuses_its_library_and_rebuilds_for_a_changed_source(tmp_path, monkeypatch):
-    first = build(tmp_path)
+    umask = os.umask(0o022)  # a build's usual umask (the image's)
+    try:
+        first = build(tmp_path)
+    finally:
+        os.umask(umask)
     assert first.exists() and build(tmp_path) == first  # the same source and flags: no new build
+    assert first.stat().st_mode & 0o044 == 0o044  # readable by other users (the image builds as root)
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
     monkeypatch.setenv("CC", "no-such-cc-here")
     assert build(tmp_path) == first  # a prebuilt library needs no compiler
