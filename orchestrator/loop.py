@@ -91,6 +91,7 @@ Mode = Literal["speculative", "autoregressive"]
 # (the first step's prompt, or the tokens of plain steps) instead of holding up the step: more than a
 # steady-state Propose ever misses (the target's own token; all of a draft after a pre-draft).
 CATCH_UP_IN_BACKGROUND = 16
+MIN_CATCH_UP_CHUNK = 32  # a catch-up chunk that misses its deadline halves, down to this
 
 
 class TargetUnavailable(Exception):
@@ -125,6 +126,8 @@ class GenerationParams:
     # the logprobs of the distribution each token was chosen from instead (vLLM's processed_logprobs)
     processed_logprobs: bool = False
     model_name: str = ""  # the served name: the model_name label of the vLLM-named metrics
+    # tokens a draft far behind (a long prompt) prefills per call (OrchestratorSettings.draft_catch_up_chunk)
+    draft_catch_up_chunk: int = 256
     queued_s: float = 0.0  # time in the orchestrator's admission queue (part of request_queue_time_seconds)
 
 
@@ -359,6 +362,8 @@ class SpeculativeRequest:
         self.predraft: asyncio.Future | None = None  # overlapped: Propose of the next block, sent with this Verify
         self.catching_up: asyncio.Future | None = None  # a Propose bringing the draft's cache up to date, off the critical path
         self.draft_seen = 0  # leading tokens of seq the draft's cache holds (as far as this loop knows)
+        self.catch_up_from = 0  # draft_seen before the catch-up in flight
+        self.catch_up_chunk = params.draft_catch_up_chunk  # tokens a catch-up call brings the draft
         self.ready: Proposed | None = None  # overlapped: the next block's draft, from that pre-draft
 
     # -- calls -----------------------------------------------------------------------------------
@@ -413,8 +418,33 @@ class SpeculativeRequest:
             step.k = min(self.controller.next_k(load), remaining - 1, limits.target_max_draft, limits.draft_max_draft)
         if self.catching_up is not None:
             self._collect_catch_up(step)
-        elif (step.k > 0 and self.ready is None and len(self.seq) - self.draft_seen > CATCH_UP_IN_BACKGROUND
-              and self.params.sampling.greedy):
+        if (self.catching_up is None and step.k > 0 and self.ready is None
+                and len(self.seq) - self.draft_seen > CATCH_UP_IN_BACKGROUND):
+            self._catch_up(step)
+
+    def _catch_up(self, step: _Step) -> None:
+        """1.1 The draft is far behind (the prompt at the first step, or plain steps since its last
+        Propose). Its catch-up is a prefill, a chunk per call (:meth:`_catch_up_call`):
+
+        - a probe skips it (a probe is worth a short Propose, not a prefill of everything missed);
+        - a draft on another host catches up in the background while the steps go on plainly
+          (greedy only: the plain steps it causes depend on timing, and a seeded sample depends on
+          the k schedule; greedy output never does);
+        - a draft on the target's host catches up before this step's Propose (:meth:`prefill_draft`),
+          after the prompt's own pass (greedy: its first step is plain, alone: beside the draft's
+          prefill on the same cores the first token came 3-4x later than plain decoding's,
+          docs/performance.md). In the background there, plain steps and the prefill share the
+          cores: a 2,100-token prompt's catch-up took 9 calls over most of a 96-token answer, which
+          then drafted 3 tokens; waited for, with the cores, it takes ~2 s and the answer drafts
+          as a short prompt's does;
+        - a sampled request on another host catches up before its Propose too."""
+        p, limits = self.params, self.limits
+        if self.controller.probing:
+            step.k = 0
+        elif limits.draft_shares_host:
+            if self.stats.iterations == 0 and p.sampling.greedy:
+                step.k = 0
+        elif p.sampling.greedy:
             self._start_catch_up(step)
 
     def _collect_catch_up(self, step: _Step) -> None:
@@ -425,34 +455,54 @@ class SpeculativeRequest:
             self.catching_up.result()
             self.draft_health.succeeded()
         except grpc.aio.AioRpcError as exc:
-            # reported with this step, which runs without a draft because of it
-            step.draft_error = self.draft_failed(exc)
-            step.k = 0  # the draft is down (or refused this input): no Propose right after
+            step.k = 0  # no Propose right after
+            self.draft_seen = self.catch_up_from  # what the draft holds for sure
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.catch_up_chunk > MIN_CATCH_UP_CHUNK:
+                # a chunk too large for this draft's speed now, not a draft that is down: smaller ones
+                self.catch_up_chunk = max(self.catch_up_chunk // 2, MIN_CATCH_UP_CHUNK)
+            else:
+                # reported with this step, which runs without a draft because of it
+                step.draft_error = self.draft_failed(exc)
         except asyncio.CancelledError:
-            pass
+            self.draft_seen = self.catch_up_from
         self.catching_up = None
 
     def _start_catch_up(self, step: _Step) -> None:
-        """1.1 A draft far behind (the prompt at the first step, or after plain steps) would make
-        this step wait for its prefill: it catches up in the background instead, with a one-token
-        Propose whose answer only fills its cache, while the steps go on plainly. Greedy only: the
-        plain steps it causes depend on timing, and a seeded sample depends on the k schedule
-        (greedy output never does)."""
+        """The background catch-up: a one-token Propose whose answer only fills the draft's cache,
+        a chunk at a time (each call a bounded number of rows within the usual deadline; the
+        draft's other sessions draft between them; the next starts where this one ended)."""
         step.k = 0
-        if self.controller.probing:  # a probe is worth a short Propose, not a prefill of everything missed
-            return
-        if self.stats.iterations == 0 and self.limits.draft_shares_host:
-            # The prompt's prefill goes first, alone: beside the draft's prefill on the same cores
-            # the first token came 3-4x later than plain decoding's (docs/performance.md). The
-            # catch-up starts with the next step, beside cheap plain steps.
-            return
-        # plain steps run beside it: it leaves the target its cores
-        p = self.params
-        self.catching_up = self.track(self.draft.propose(self.session_id, list(self.seq), 1, p.confidence_threshold,
-                                                         p.sampling, yield_cores=self.limits.draft_shares_host))
+        end = min(len(self.seq), self.draft_seen + self.catch_up_chunk)
+        self.catching_up = self.track(self._catch_up_call(end, self.limits.draft_shares_host))
         self.used_draft = True
-        self.draft_seen = len(self.seq)
+        self.catch_up_from, self.draft_seen = self.draft_seen, end
         self.stats.draft_catch_ups += 1
+
+    def _catch_up_call(self, end: int, yield_cores: bool) -> Any:
+        """A one-token Propose on seq[:end], for the cache it fills. Short of the sequence's end it
+        drafts greedily and unconstrained (its token is discarded; a grammar starts at the output)."""
+        p = self.params
+        sampling = p.sampling if end == len(self.seq) else Sampling()
+        return self.draft.propose(self.session_id, list(self.seq[:end]), 1, p.confidence_threshold, sampling,
+                                  yield_cores=yield_cores)
+
+    async def prefill_draft(self, step: _Step, yield_cores: bool) -> bool:
+        """2.0 A draft far behind catches up before this step's Propose, a chunk per call as in the
+        background (:meth:`_catch_up`). False when the draft failed (reported with the step)."""
+        while len(self.seq) - self.draft_seen > self.catch_up_chunk:
+            end = self.draft_seen + self.catch_up_chunk
+            self.used_draft = True
+            self.stats.draft_catch_ups += 1
+            try:
+                await self.call(self._catch_up_call(end, yield_cores))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.catch_up_chunk > MIN_CATCH_UP_CHUNK:
+                    self.catch_up_chunk = max(self.catch_up_chunk // 2, MIN_CATCH_UP_CHUNK)
+                    continue
+                step.draft_error = self.draft_failed(exc)
+                return False
+            self.draft_seen = end
+        return True
 
     async def fetch_draft(self, step: _Step) -> None:
         """2. Fetch the draft (a failure only costs this step its draft): the pre-draft when the
@@ -465,18 +515,18 @@ class SpeculativeRequest:
             t_draft = time.perf_counter()
             self.used_draft = True
             p = self.params
-            try:
-                # Alone, the target idles while the draft drafts: the draft may take every core.
-                busy = self.in_progress() > 1 or self.target.in_flight > 0
-                step.proposal = await self.call(self.draft.propose(
-                    self.session_id, self.seq, step.k, p.confidence_threshold, p.sampling,
-                    yield_cores=self.limits.draft_shares_host and busy))
-                step.draft_ms = step.proposal.wall_ms
-                self.draft_health.succeeded()
-            except grpc.aio.AioRpcError as exc:
-                # a failed call still cost its wait (up to the deadline): count it as draft time
-                step.draft_ms = (time.perf_counter() - t_draft) * 1e3
-                step.draft_error = self.draft_failed(exc)
+            # Alone, the target idles while the draft drafts: the draft may take every core.
+            busy = self.in_progress() > 1 or self.target.in_flight > 0
+            if await self.prefill_draft(step, self.limits.draft_shares_host and busy):
+                try:
+                    step.proposal = await self.call(self.draft.propose(
+                        self.session_id, self.seq, step.k, p.confidence_threshold, p.sampling,
+                        yield_cores=self.limits.draft_shares_host and busy))
+                    self.draft_health.succeeded()
+                except grpc.aio.AioRpcError as exc:
+                    step.draft_error = self.draft_failed(exc)
+            # the wait for the draft: a failed call's too (up to its deadline), and any catch-up before it
+            step.draft_ms = (time.perf_counter() - t_draft) * 1e3
         step.draft_wait_ms = 0.0 if step.predrafted else step.draft_ms
         if self.ready is not None and not step.predrafted:
             self.stats.predrafts_dropped += 1  # the controller chose a plain step

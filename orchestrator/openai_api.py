@@ -27,6 +27,7 @@ from orchestrator.service import (
     collect,
     encode_prompt,
     prepare,
+    prompt_size,
     seed_of,
     start_stream,
     tokenize,
@@ -131,7 +132,8 @@ async def completions(body: CompletionRequest, request: Request):
         raise HTTPException(400, detail="tools: tool calls are a chat completions feature (/v1/chat/completions)")
     sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), await grammar_of(body),
                         **body.processing())
-    prompt_ids, slots = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt, n=body.n)
+    prompt_ids, slots = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt, n=body.n,
+                                       size=prompt_size(rt, body.prompt))
     runs = _runs(rt, body, prompt_ids, body.max_tokens, sampling, slots, request)
     return await _respond(runs, request, body.stream, chat=False, echo=body.prompt if body.echo else "")
 
@@ -150,7 +152,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         grammar = tool_plan.grammar  # the call is generated under the grammar of its parameters
     sampling = Sampling(body.temperature, body.top_p, body.top_k, seed_of(body.seed), grammar, **body.processing())
     prompt_ids, slots = await tokenize(rt, client_key(request), chat_prompt_ids, rt, body.messages, tool_plan,
-                                       n=body.n)
+                                       n=body.n, size=prompt_size(rt, None, body.messages))
     # OpenAI's chat has no default length: to EOS or the end of the context (up to the server's limit)
     max_tokens = body.max_completion_tokens or body.max_tokens or rt.settings.max_tokens_limit
     runs = _runs(rt, body, prompt_ids, max_tokens, sampling, slots, request)

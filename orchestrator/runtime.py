@@ -52,6 +52,10 @@ class Runtime:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
     draining_since: float | None = None  # monotonic time of the SIGTERM that started the drain
     tokenizer_fingerprint: str = ""  # of ``tokenizer``: compared with the target's on every check
+    # the most characters of text one token of ``tokenizer`` stands for, and whether it encodes
+    # whitespace (else the characters counted are the others: orchestrator.service.check_size)
+    token_chars: int = 1
+    encodes_spaces: bool = True
     checked_at: float = -float("inf")  # monotonic time of the last connect()
     # Release calls still running after their request ended (see orchestrator.loop.generate)
     background: set[asyncio.Task] = field(default_factory=set)
@@ -90,6 +94,22 @@ class Runtime:
     @property
     def model_name(self) -> str:
         return self.settings.model_name or self.target_info.get("model_id", "specdec")
+
+
+def longest_token_chars(tokenizer: Any) -> tuple[int, bool]:
+    """The most characters of a user's text one token can stand for: the longest entry of the
+    vocabulary (special tokens aside: typed text never becomes one; a byte-level BPE entry holds a
+    character per byte and a character is at least a byte; a SentencePiece entry is its text), and
+    whether whitespace is encoded at all (a word-level tokenizer drops it: then only the other
+    characters count)."""
+    special = {*getattr(tokenizer, "all_special_ids", ()), *getattr(tokenizer, "added_tokens_decoder", {})}
+    try:
+        vocab = tokenizer.get_vocab()
+        spaced = tokenizer.decode(tokenizer("a    b", add_special_tokens=False).input_ids)
+    except Exception:  # a tokenizer without a readable vocabulary: no bound from it
+        return 1 << 20, False
+    longest = max((len(text) for text, i in vocab.items() if i not in special), default=1)
+    return longest, "    " in spaced
 
 
 def _info_dict(info: Any) -> dict[str, Any]:
@@ -146,6 +166,7 @@ async def connect(rt: Runtime) -> None:
         if fingerprint != target.tokenizer_fingerprint:
             rt.not_ready = f"tokenizer {spec!r} does not match the target's ({target.model_id})"
             return
+        rt.token_chars, rt.encodes_spaces = await asyncio.to_thread(longest_token_chars, tokenizer)
         rt.tokenizer, rt.tokenizer_fingerprint = tokenizer, fingerprint
     # where each party computes: a host's cores, or a device on it (a GPU target and a CPU draft on
     # one host do not take each other's compute)

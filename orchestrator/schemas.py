@@ -14,6 +14,10 @@ from specdec.params import MAX_LOGIT_BIAS
 # below 2**63 so it also fits signed consumers).
 MAX_TOP_K = (1 << 32) - 1
 MAX_SEED = 1 << 63
+# messages per conversation, as OpenAI's bound (a chat template spends several tokens a message:
+# 2,048 of them fill more than an 8k context); orchestrator.app.BodyLimit counts them in the raw
+# body, so a 50,000-message body is refused before it is parsed
+MAX_MESSAGES = 2048
 MAX_CHOICES = 16  # n per request (each choice holds a slot of max_concurrent_requests)
 
 
@@ -128,7 +132,8 @@ class GenerateRequest(SpeculationParams, SamplingFields, ProcessingFields):
 
     prompt: Text | None = Field(None, min_length=1, description="Text to continue (no chat template applied).")
     messages: list[ChatMessage] | None = Field(
-        None, min_length=1, description="A conversation, formatted with the tokenizer's chat template (instead of prompt)."
+        None, min_length=1, max_length=MAX_MESSAGES,
+        description="A conversation, formatted with the tokenizer's chat template (instead of prompt)."
     )
     max_tokens: int | None = Field(None, ge=1, description="New tokens to generate at most.")
     stop: list[Text] | Text | None = Field(None, description="Stop when any of these strings is generated.")
@@ -360,7 +365,7 @@ class CompletionRequest(OpenAIRequest):
 
 
 class ChatCompletionRequest(OpenAIRequest):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 

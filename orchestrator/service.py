@@ -106,12 +106,14 @@ def require_ready(rt: Runtime) -> None:
         raise HTTPException(503, detail=f"not ready: {rt.not_ready}")
 
 
-async def tokenize(rt: Runtime, key: str | None, fn: Callable[..., list[int]], *args: Any, n: int = 1
-                   ) -> tuple[list[int], list[Slot]]:
-    """``n`` slots (:func:`admit`: the admission queue; one per choice), then ``fn(*args)`` (prompt
-    -> token ids) on :attr:`Runtime.tokenizer_thread`: a request that cannot be admitted is refused
-    before its prompt costs anything. The slots go to :func:`prepare`; they are released here when
-    tokenising fails."""
+async def tokenize(rt: Runtime, key: str | None, fn: Callable[..., list[int]], *args: Any, n: int = 1,
+                   size: tuple[int, int] = (0, 0)) -> tuple[list[int], list[Slot]]:
+    """The prompt's ``size`` (characters, messages: :func:`check_size`), ``n`` slots (:func:`admit`:
+    the admission queue; one per choice), then ``fn(*args)`` (prompt -> token ids) on
+    :attr:`Runtime.tokenizer_thread`: a request too large or that cannot be admitted is refused
+    before its prompt costs anything, and the tokenizer's queue holds no more than the slots. The
+    slots go to :func:`prepare`; they are released here when tokenising fails."""
+    check_size(rt, *size)
     slots = await admit(rt, key, n)
     try:
         ids = await asyncio.get_running_loop().run_in_executor(rt.tokenizer_thread, fn, *args)
@@ -120,6 +122,27 @@ async def tokenize(rt: Runtime, key: str | None, fn: Callable[..., list[int]], *
             slot.release()
         raise
     return ids, slots
+
+
+# A prompt's characters may exceed what its tokens could stand for by this factor before it is
+# refused unread (a normaliser may fold several characters into one, NFKC's e + U+0301 into é).
+CHARS_SLACK = 2
+
+
+def check_size(rt: Runtime, text_chars: int, messages: int = 0) -> None:
+    """400 for a prompt that cannot fit the context whatever its tokens: more characters than
+    ``context x the longest token x CHARS_SLACK``, or more messages than the context has tokens
+    (each message renders to one at least). Cheap (the lengths only), so a megabyte prompt or a chat
+    of thirty thousand messages is refused before it is templated, tokenised or queued."""
+    require_ready(rt)
+    context = rt.limits.target_max_context
+    if messages > context:
+        raise HTTPException(400, detail=f"messages: {messages} messages cannot fit the model's context of "
+                                        f"{context} tokens")
+    most = context * rt.token_chars * CHARS_SLACK
+    if text_chars > most:
+        raise HTTPException(400, detail=f"prompt: {text_chars} characters cannot fit the model's context of {context} "
+                                        f"tokens (one token holds at most {rt.token_chars} characters)")
 
 
 def has_slot(rt: Runtime, key: str | None, n: int = 1) -> bool:
@@ -178,10 +201,42 @@ async def admit(rt: Runtime, key: str | None, n: int = 1) -> list[Slot]:
             return [Slot.take(rt, key, loop.time() - t0) for _ in range(n)]
 
 
+def prompt_size(rt: Runtime, prompt: str | None, messages: list[ChatMessage] | None = None) -> tuple[int, int]:
+    """(characters, messages) of a request's prompt, for :func:`check_size`: the characters its
+    tokenizer encodes (not whitespace, for one that drops it)."""
+    texts = [prompt or ""] if messages is None else [m.text() for m in messages]
+    chars = sum(len(t) if rt.encodes_spaces else len("".join(t.split())) for t in texts)
+    return chars, 0 if messages is None else len(messages)
+
+
+# Tokenising a long text starts with a prefix of this many characters per token the context holds,
+# growing 4x a try: a text far over the context is refused after a prefix, not read whole.
+PREFIX_CHARS_PER_TOKEN = 8
+
+
+def encode_bounded(rt: Any, text: str, what: str = "prompt", most: int | None = None, **kwargs: Any) -> list[int]:
+    """``rt.tokenizer(text, **kwargs).input_ids``, but a 400 as soon as a prefix of ``text``
+    holds more tokens than the context (or ``most``): the whole text holds at least the prefix's
+    tokens but one (the prefix's last may merge with what follows), so a megabyte prompt costs the
+    tokenizer what the context's worth of text costs, not its whole length."""
+    context = rt.limits.target_max_context
+    most = context - 1 if most is None else most
+    size = max(context, 1) * PREFIX_CHARS_PER_TOKEN
+    while size < len(text):
+        prefix = rt.tokenizer(text[:size], **kwargs).input_ids
+        if len(prefix) - 1 > most:
+            raise HTTPException(400, detail=f"{what}: more than {len(prefix) - 1} tokens (in its first {size} "
+                                            f"characters), over the model's context of {context - 1}")
+        size *= 4
+    return rt.tokenizer(text, **kwargs).input_ids
+
+
 def encode_prompt(rt: Runtime, prompt: str) -> list[int]:
     require_ready(rt)
     try:
-        return rt.tokenizer(prompt).input_ids
+        return encode_bounded(rt, prompt)
+    except HTTPException:
+        raise
     except Exception as exc:  # text the tokenizer cannot encode is the client's problem, not ours
         raise HTTPException(400, detail=f"prompt: the tokenizer cannot encode it: {exc}") from exc
 
@@ -250,6 +305,7 @@ def _params(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
         overlap=spec.overlap if spec.overlap is not None else {"on": True, "off": False, "auto": None}[s.default_overlap],
         logprobs=logprobs,
         model_name=rt.model_name,
+        draft_catch_up_chunk=s.draft_catch_up_chunk,
     )
     return params, name, k, max_k
 
@@ -357,11 +413,11 @@ def chat_prompt(rt: Any, messages: list[dict[str, Any]], tools: list[dict[str, A
     extra = {"tools": tools} if tools else {}
     if not getattr(tok, "chat_template", None):
         transcript = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
-        return tok(transcript, split_special_tokens=True).input_ids
+        return encode_bounded(rt, transcript, "messages", split_special_tokens=True)
     specials = special_strings(tok)
     if not any(s in m["content"] for m in messages for s in specials):
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
-        return tok(text, add_special_tokens=False).input_ids
+        return encode_bounded(rt, text, "messages", add_special_tokens=False)
     marks = [f"\ue000specdec-content-{i}\ue001" for i in range(len(messages))]
     text = tok.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
                                    add_generation_prompt=True, tokenize=False, **extra)
@@ -369,10 +425,12 @@ def chat_prompt(rt: Any, messages: list[dict[str, Any]], tools: list[dict[str, A
         raise ValueError("this chat template rewrites message content, so content holding special-token text "
                          f"({', '.join(specials[:3])}, …) cannot be kept as text; remove it from the messages")
     ids: list[int] = []
+    most = rt.limits.target_max_context - 1
     for m, mark in zip(messages, marks, strict=True):
         before, text = text.split(mark)
         ids += tok(before, add_special_tokens=False).input_ids
-        ids += tok(m["content"], add_special_tokens=False, split_special_tokens=True).input_ids
+        ids += encode_bounded(rt, m["content"], "messages", max(most - len(ids), 0), add_special_tokens=False,
+                              split_special_tokens=True)
     return ids + tok(text, add_special_tokens=False).input_ids
 
 
@@ -385,5 +443,7 @@ def chat_prompt_ids(rt: Any, messages: list[ChatMessage], tool_plan: Any = None)
     try:
         rendered, offered = tools.messages_for(tool_plan, messages, tools.template_takes_tools(rt.tokenizer))
         return chat_prompt(rt, rendered, offered)
+    except HTTPException:
+        raise
     except Exception as exc:  # a template may reject a conversation shape (e.g. roles out of order)
         raise HTTPException(400, detail=f"messages: the chat template rejected them: {exc}") from exc

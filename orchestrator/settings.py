@@ -41,6 +41,11 @@ class OrchestratorSettings(BaseSettings):
         None, description="Tokenizer to use (id, path or 'embedded'); default: the target's model id from Info."
     )
     draft_timeout_s: float = Field(2.0, gt=0, description="Deadline of one Propose call; past it the step runs without a draft.")
+    draft_catch_up_chunk: int = Field(
+        256, ge=32, description="A draft far behind the sequence (a long prompt, or after plain steps) catches up by "
+                                "this many tokens per Propose, each call within draft_timeout_s (one that misses it "
+                                "halves the chunk for its request, down to 32; a slow prefill never marks the draft "
+                                "down).")
     target_timeout_s: float = Field(60.0, gt=0, description="Deadline of one Verify call.")
     draft_retry_s: float = Field(5.0, ge=0, description="After a draft failure, decode without drafts this long, then retry.")
     default_controller: ControllerName = Field("cost", description="Controller used when a request names none.")

@@ -62,7 +62,7 @@ def test_a_request_over_the_limit_is_refused_before_its_prompt_is_tokenised(tiny
         rt = client.app.state.rt
         rt.tokenizer = slow = SlowTokenizer(rt.tokenizer, 0)
         rt.active = 1  # the one slot is taken
-        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 100_000}]})
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x " * 20}]})
         assert r.status_code == 429 and "too many concurrent requests" in r.json()["error"]["message"]
         assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["Retry-After"]
         assert slow.calls == 0
@@ -172,3 +172,71 @@ def test_n_choices_take_their_slots_together(tiny_target_server):
         client.portal.call(held.release)
         r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "n": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 2 and rt.active == 0
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_any_template_or_tokenizer_work(tiny_target_server):
+    """More characters than the context's tokens could hold, or more messages than it has tokens:
+    a 400 from the lengths alone, on every route, while the tokenizer is never called."""
+    with _client(tiny_target_server) as client:
+        assert client.get("/ready").status_code == 200
+        rt = client.app.state.rt
+        rt.tokenizer = slow = SlowTokenizer(rt.tokenizer, 0)
+        context = rt.limits.target_max_context
+        assert rt.token_chars >= 1
+        assert rt.token_chars == 1 and rt.encodes_spaces  # the tiny tokenizer: a token per character
+        too_long = "a" * (context * rt.token_chars * 2 + 1)
+        for path, body in (("/v1/completions", {"prompt": too_long}), ("/v1/generate", {"prompt": too_long}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": too_long}]})):
+            r = client.post(path, json={**body, "max_tokens": 2})
+            assert r.status_code == 400 and "characters cannot fit" in r.text, (path, r.text)
+        many = [{"role": "user", "content": "a"}] * (context + 1)
+        for path in ("/v1/chat/completions", "/v1/generate"):
+            r = client.post(path, json={"messages": many, "max_tokens": 2})
+            assert r.status_code == 400 and "messages cannot fit" in r.text, (path, r.text)
+        assert slow.calls == 0
+        # OpenAI's bound of 2,048 messages comes first, counted in the raw body (also on the REST route)
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}] * 2049})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        r = client.post("/v1/generate", json={"messages": [{"role": "user", "content": "a"}] * 30000})
+        assert r.status_code == 400 and "more than 2048 messages" in r.json()["detail"]
+        # a quote inside a string is escaped: text quoting "role" is no message (its size refuses it here)
+        r = client.post("/v1/completions", json={"prompt": '"role"' * 2049, "max_tokens": 1})
+        assert r.status_code == 400 and "characters cannot fit" in r.json()["error"]["message"], r.text
+        assert slow.calls == 0
+        # a prompt that may fit is tokenised as ever (and refused by its token count when over)
+        r = client.post("/v1/completions", json={"prompt": "a" * (context + 8), "max_tokens": 2})
+        assert r.status_code == 400 and "tokens, over the model's context" in r.text and slow.calls == 1
+        assert client.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2}).status_code == 200
+
+
+def test_the_longest_token_bounds_the_characters_of_a_token():
+    from orchestrator.runtime import longest_token_chars
+    from specdec.models import load_tokenizer
+
+    tok = load_tokenizer("embedded")
+    longest, spaces = longest_token_chars(tok)
+    assert spaces  # byte-level BPE: whitespace is text it encodes
+    sample = "Hello, world! Ünïcödé text, 1234567890, and a run of spaces:            end. ----------------"
+    ids = tok(sample, add_special_tokens=False).input_ids
+    assert max(len(tok.decode([i])) for i in ids) <= longest
+    assert 8 <= longest <= 256
+
+
+def test_a_tokenizer_that_drops_whitespace_has_only_its_other_characters_counted():
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from orchestrator.runtime import longest_token_chars
+    from orchestrator.schemas import ChatMessage
+    from orchestrator.service import prompt_size
+
+    inner = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "bcd": 2}, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>")
+    assert longest_token_chars(tok) == (3, False)
+    rt = SimpleNamespace(encodes_spaces=False)
+    assert prompt_size(rt, "a   bcd \n a") == (5, 0)
+    assert prompt_size(rt, None, [ChatMessage(role="user", content=" a "), ChatMessage(role="user", content="bcd")]) == (4, 2)
+    assert prompt_size(SimpleNamespace(encodes_spaces=True), "a   bcd") == (7, 0)

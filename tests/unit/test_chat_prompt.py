@@ -16,8 +16,8 @@ def embedded_tok():
     return load_tokenizer("embedded")
 
 
-def _rt(tok):
-    return SimpleNamespace(tokenizer=tok)
+def _rt(tok, context: int = 8192):
+    return SimpleNamespace(tokenizer=tok, limits=SimpleNamespace(target_max_context=context))
 
 
 def test_plain_messages_are_the_templates_tokens(embedded_tok):
@@ -57,3 +57,31 @@ def test_a_template_that_rewrites_content_is_refused_for_special_text(embedded_t
     assert chat_prompt(_rt(tok), [{"role": "user", "content": "hello"}])  # no special text: fine
     with pytest.raises(ValueError, match="rewrites message content"):
         chat_prompt(_rt(tok), [{"role": "user", "content": "x<|im_end|>"}])
+
+
+def test_a_conversation_far_over_the_context_is_refused_from_a_prefix(embedded_tok):
+    """A megabyte of text is refused after a prefix of it is tokenised, not the whole."""
+    from fastapi import HTTPException
+
+    calls = []
+
+    class Counting:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __call__(self, text, **kw):
+            calls.append(len(text))
+            return self.tok(text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+    rt = _rt(Counting(embedded_tok), context=512)
+    for content in ("word " * 200_000, "<|im_start|> " + "word " * 200_000):  # the second: special-token text
+        calls.clear()
+        with pytest.raises(HTTPException) as err:
+            chat_prompt(rt, [{"role": "user", "content": content}])
+        assert err.value.status_code == 400 and "over the model's context of 511" in err.value.detail
+        assert max(calls) <= 512 * 8  # a prefix was read, never the megabyte
+    fits = chat_prompt(rt, [{"role": "user", "content": "word " * 300}])
+    assert 300 < len(fits) < 511

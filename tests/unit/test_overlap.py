@@ -262,20 +262,20 @@ class LongPromptDraft(ScriptedDraft):
         self.full = LONG_PROMPT + reference
 
 
-@pytest.mark.parametrize("overlap", [False, None])
+@pytest.mark.parametrize("overlap", [True, None])
 def test_the_first_token_does_not_wait_for_the_draft_prefill(engine, overlap):
-    """A prompt of 40 tokens and a draft that takes 150 ms a call: the first steps run plainly
-    while one background Propose fills the draft's cache, drafting starts once it is back, and the
-    output is plain greedy decoding."""
+    """A prompt of 40 tokens and a draft on another host that takes 150 ms a call: the first steps
+    run plainly while one background Propose fills the draft's cache, drafting starts once it is
+    back, and the output is plain greedy decoding."""
     reference = greedy_reference(engine.lm.model, LONG_PROMPT, N)
     draft = LongPromptDraft(reference, delay_s=0.15)
     params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=N, ignore_eos=True, overlap=overlap)
-    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 4, 8),
+    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 4, 8), shared_host=False,
                                    target=SlowTarget(engine, 0.02)))
     tokens = [t for s in steps for t in s.tokens]
     assert tokens == reference
-    # the catch-up, after the prompt's own pass (same host): the whole prompt and its first token
-    assert draft.calls[0] == (len(LONG_PROMPT) + 1, 1)
+    # the catch-up, from the first step (another host): the whole prompt
+    assert draft.calls[0] == (len(LONG_PROMPT), 1)
     assert stats.draft_catch_ups == 1
     ks = [s.k for s in steps]
     lead = next(i for i, k in enumerate(ks) if k > 0)
@@ -292,6 +292,78 @@ def test_sampling_drafts_from_the_first_step(engine):
                               sampling=Sampling(temperature=0.9, seed=3))
     steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 3, 8)))
     assert stats.draft_catch_ups == 0 and steps[0].k == 3
+
+
+@pytest.mark.parametrize("shared_host", [False, True])
+def test_a_long_prompt_catches_up_a_chunk_per_call(engine, shared_host):
+    """A prompt longer than the catch-up chunk reaches the draft a chunk per Propose (each a bounded
+    prefill within the usual deadline), each call starting where the last ended (in the background
+    from another host; before the second step's Propose on the target's); then it drafts, and the
+    output is plain greedy decoding."""
+    reference = greedy_reference(engine.lm.model, LONG_PROMPT, N)
+    draft = LongPromptDraft(reference, delay_s=0.02)
+    params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=N, ignore_eos=True, overlap=False,
+                              draft_catch_up_chunk=16)
+    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 4, 8), shared_host=shared_host,
+                                   target=SlowTarget(engine, 0.01)))
+    assert [t for s in steps for t in s.tokens] == reference
+    chunks = [n for n, k in draft.calls if k == 1]
+    if shared_host:
+        assert steps[0].k == 0 and steps[1].k == 4 and steps[1].draft  # waited for, then drafted at once
+    assert chunks[:2] == [16, 32] and stats.draft_catch_ups == len(chunks) == 2
+    assert all(0 < b - a <= 16 for a, b in zip([0, *chunks], chunks, strict=False))
+    assert stats.draft_fallbacks == 0 and any(s.k > 0 and s.accepted for s in steps)
+
+
+def test_a_catch_up_chunk_past_its_deadline_halves_and_never_marks_the_draft_down(engine, monkeypatch):
+    """The draft is slow, not down: a chunk that misses its deadline is sent again at half the size
+    (down to the floor), no fallback is counted, the draft stays usable for every request."""
+    import grpc
+
+    from orchestrator import loop
+
+    monkeypatch.setattr(loop, "MIN_CATCH_UP_CHUNK", 4)
+
+    class Slow(LongPromptDraft):
+        held = 0
+
+        async def propose(self, session_id, tokens, k, threshold, sampling, yield_cores=False):
+            if len(tokens) - self.held > 20:  # more rows than it computes within the deadline
+                self.calls.append((len(tokens), k))
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "Deadline Exceeded")
+            self.held = len(tokens)
+            return await super().propose(session_id, tokens, k, threshold, sampling, yield_cores)
+
+    reference = greedy_reference(engine.lm.model, LONG_PROMPT, N)
+    draft = Slow(reference, delay_s=0.01)
+    health = DraftHealth(60.0)
+    params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=N, ignore_eos=True, overlap=False,
+                              draft_catch_up_chunk=32)
+    limits = ModelLimits(engine.lm.max_context, 8, 1000, 8, set(), draft_shares_host=False)
+
+    async def go():
+        return [e async for e in generate(params, draft, SlowTarget(engine, 0.01), make_controller("fixed", 4, 8),
+                                          limits, health, lambda ids: "", in_progress=lambda: 1, background=set())]
+
+    events = asyncio.run(go())
+    steps, stats = [e for e in events if isinstance(e, Step)], events[-1].stats
+    assert [t for s in steps for t in s.tokens] == reference
+    assert [n for n, k in draft.calls[:3]] == [32, 16, 32]  # 32 new tokens missed the deadline, 16 a call made it
+    assert stats.draft_fallbacks == 0 and health.usable() and not any(s.draft_error for s in steps)
+    assert any(s.k > 0 and s.accepted for s in steps)  # it speculated once caught up
+
+
+def test_a_sampled_request_waits_for_a_chunked_catch_up_then_drafts(engine):
+    """Sampling keeps its k schedule free of timing: its first step waits for the chunks, then
+    drafts at its k."""
+    reference = greedy_reference(engine.lm.model, LONG_PROMPT, N)
+    draft = LongPromptDraft(reference, delay_s=0.01)
+    params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=8, ignore_eos=True,
+                              sampling=Sampling(temperature=0.9, seed=3), draft_catch_up_chunk=16)
+    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 3, 8)))
+    assert draft.calls[:3] == [(16, 1), (32, 1), (40, 3)]
+    assert stats.draft_catch_ups == 2 and steps[0].k == 3
 
 
 @pytest.mark.parametrize("in_flight, shared_host, yields", [(1, True, True), (1, False, False), (0, True, False)])
@@ -322,9 +394,10 @@ def test_a_failing_catch_up_costs_drafts_not_the_request(engine):
     reference = greedy_reference(engine.lm.model, LONG_PROMPT, 12)
     draft = Down(reference, delay_s=0.0)
     params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=12, ignore_eos=True)
-    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 4, 8), target=SlowTarget(engine, 0.01)))
+    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 4, 8), shared_host=False,
+                                   target=SlowTarget(engine, 0.01)))
     assert [t for s in steps for t in s.tokens] == reference
-    assert draft.calls == [(len(LONG_PROMPT) + 1, 1)]  # one catch-up (after the first pass); after its failure no Propose for 1 s
+    assert draft.calls == [(len(LONG_PROMPT), 1)]  # one catch-up; after its failure no Propose for 1 s
     assert stats.draft_catch_ups == 1 and stats.draft_fallbacks == 1
     assert all(s.k == 0 for s in steps)
     # the step that learnt of the failure reports it, as any step that lost its draft does
@@ -369,9 +442,10 @@ def test_a_propose_yields_cores_while_another_streams_verify_runs(engine, refere
 
 @pytest.mark.parametrize("shared_host", [True, False])
 async def test_the_prompt_prefill_runs_before_the_drafts_catch_up_on_a_shared_host(engine, shared_host):
-    """A long prompt leaves the draft far behind: it catches up in the background. On the target's
-    host that catch-up waits for the prompt's own pass, which would otherwise share the cores with
-    it (and the first token with them); on another host it starts with the first step."""
+    """A long prompt leaves the draft far behind. On the target's host the prompt's own pass goes
+    first, alone (beside the draft's prefill the first token would come later), then the draft
+    catches up before the next step's Propose; on another host it catches up in the background
+    from the first step."""
     reference = greedy_reference(engine.lm.model, LONG_PROMPT, 16)
 
     class CountingTarget(SlowTarget):
@@ -396,6 +470,10 @@ async def test_the_prompt_prefill_runs_before_the_drafts_catch_up_on_a_shared_ho
     steps, stats = await run(engine, draft, params, make_controller("fixed", 3, 8), shared_host=shared_host,
                              target=target)
     assert [t for s in steps for t in s.tokens] == reference[:16]
-    assert stats.draft_catch_ups == 1 and draft.calls[0] == (len(LONG_PROMPT) + (1 if shared_host else 0), 1)
+    if shared_host:  # 41 tokens behind, within one chunk: the step's own Propose carries them
+        assert stats.draft_catch_ups == 0 and draft.calls[0] == (len(LONG_PROMPT) + 1, 3)
+        assert steps[0].k == 0 and steps[1].k == 3
+    else:
+        assert stats.draft_catch_ups == 1 and draft.calls[0] == (len(LONG_PROMPT), 1)
     assert draft.seen_verifies[0] == (1 if shared_host else 0)
     assert steps[0].k == 0 and any(s.k for s in steps)  # speculation still starts once the draft caught up
