@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -217,6 +218,17 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
+# What a reason may name that an anonymous caller must not learn: quoted names, parenthesised
+# details, paths, host:port addresses, IPv4 addresses
+_PRIVATE = re.compile(r"'[^']*'|\"[^\"]*\"|\([^)]*\)|\S*[/\\]\S*|\b[\w.-]+:\d+\b|\b\d{1,3}(?:\.\d{1,3}){3}\b")
+
+
+def public_reason(reason: str) -> str:
+    """``reason`` with its addresses, paths and names cut out (what /ready tells anonymous callers
+    when API keys are required)."""
+    return re.sub(r"\s+", " ", _PRIVATE.sub("…", reason)).strip()
+
+
 @ops_router.get("/ready")
 async def ready(request: Request, rt: Runtime = Depends(runtime)) -> JSONResponse:
     """The target reachable and every model compatible (re-checked on every call): 200, with
@@ -233,6 +245,8 @@ async def ready(request: Request, rt: Runtime = Depends(runtime)) -> JSONRespons
     if may_see_details(request):  # model paths, replica addresses, sessions: not for anonymous callers
         body |= {"draft": rt.draft_info, "target": rt.target_info,
                  "replicas": {"draft": rt.draft.replicas.describe(), "target": rt.target.replicas.describe()}}
+    else:  # the reasons too, without what they name (a probe needs only the status)
+        body |= {"reason": public_reason(rt.not_ready), "degraded": public_reason(rt.degraded)}
     return JSONResponse(body, status_code=200 if not rt.not_ready else 503)
 
 

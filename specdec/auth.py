@@ -15,7 +15,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -174,10 +174,11 @@ def server_security(settings: ModelServiceSettings) -> dict[str, Any]:
 class ChannelSecurity:
     """How a client reaches a model service: a bearer token and/or TLS (PEM file contents)."""
 
-    token: str | None = None
+    # the secrets stay out of repr (a log line or a traceback of a settings object shows the rest)
+    token: str | None = field(default=None, repr=False)
     ca: bytes | None = None  # trust these CAs for the server's certificate; None: plaintext
     cert: bytes | None = None  # client certificate chain (mutual TLS)
-    key: bytes | None = None  # its private key
+    key: bytes | None = field(default=None, repr=False)  # its private key
     server_name: str | None = None  # name expected in the server's certificate instead of the address's host
 
     @classmethod

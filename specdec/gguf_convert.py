@@ -205,9 +205,33 @@ def staged_source(source: Path, stage: Path) -> Path:
     return stage
 
 
+def remote_code(source: Path) -> list[str]:
+    """What in checkpoint folder ``source`` is code a converter could run: Python files, and the
+    ``auto_map`` entries of its JSON configs that point at them. llama.cpp's converter loads some
+    tokenizers with ``trust_remote_code=True``, so such a folder is refused, never converted."""
+    found = sorted(p.name for p in source.rglob("*.py"))
+    for name in ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json"):
+        try:
+            data = json.loads((source / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("auto_map"):
+            found.append(f"{name}: auto_map")
+    return found
+
+
 def convert(source: Path, out: Path, quant: str, log: Path, timeout_s: float = 3600) -> None:
-    """Write ``out`` from the checkpoint folder ``source`` at ``quant`` (no caching, no lock)."""
+    """Write ``out`` from the checkpoint folder ``source`` at ``quant`` (no caching, no lock).
+    A folder holding remote code is refused (:func:`remote_code`): docs/security.md."""
     import tempfile
+
+    code = remote_code(source)
+    if code:
+        raise ConversionError(
+            f"{source} holds code ({', '.join(code[:5])}) that llama.cpp's converter may run "
+            "(it loads some tokenizers with trust_remote_code=True), so specdec does not convert it; convert it "
+            "yourself where you trust that code and give the .gguf file as SPECDEC_DRAFT_MODEL, or use "
+            "SPECDEC_DRAFT_BACKEND=transformers (which never runs remote code)")
 
     with tempfile.TemporaryDirectory(prefix="specdec-convert-") as tmp:
         _convert(staged_source(source, Path(tmp) / source.name), out, quant, log, timeout_s)

@@ -186,6 +186,79 @@ class MalformedRequests(grpc.ServerInterceptor):
 HANG_S = 8.0
 
 
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+HEALTH_READ_TIMEOUT_S = 2.0  # a Check whose message has not come by then is cancelled
+HEALTH_CHECKS_PER_HOST = 4  # Checks of one host waiting for their message at once
+
+
+class HealthCheckGuard(grpc.ServerInterceptor):
+    """grpc.health.v1 Check needs no token (probes cannot send one), and grpc's sync server reads
+    a unary request's message on a worker thread before any handler runs: callers that send a
+    Check's headers and never its message would each hold a worker for as long as they like, and
+    200 of them left no worker for an authenticated Info. Here a Check runs as a stream, so the
+    guard runs before the message is read: at most ``per_host`` Checks from one host and
+    ``max_in_flight`` in all wait for their message at once (more get RESOURCE_EXHAUSTED at once),
+    and a message that has not come within ``read_timeout_s`` cancels the call. A probe sends its
+    message at once and holds its place for microseconds."""
+
+    def __init__(self, max_in_flight: int, per_host: int = HEALTH_CHECKS_PER_HOST,
+                 read_timeout_s: float = HEALTH_READ_TIMEOUT_S) -> None:
+        self.max_in_flight, self.per_host, self.read_timeout_s = max_in_flight, per_host, read_timeout_s
+        self._in_flight: dict[str, int] = {}
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def _enter(self, host: str) -> bool:
+        with self._lock:
+            if self._total >= self.max_in_flight or self._in_flight.get(host, 0) >= self.per_host:
+                return False
+            self._total += 1
+            self._in_flight[host] = self._in_flight.get(host, 0) + 1
+            return True
+
+    def _leave(self, host: str) -> None:
+        with self._lock:
+            self._total -= 1
+            left = self._in_flight[host] - 1
+            if left:
+                self._in_flight[host] = left
+            else:
+                del self._in_flight[host]
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method != HEALTH_CHECK or not handler.unary_unary:
+            return handler
+        inner = handler.unary_unary
+
+        def guarded(requests: Iterable[Any], context: grpc.ServicerContext) -> Any:
+            host = _peer_host(context.peer())
+            if not self._enter(host):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"too many health checks waiting for their message (at most {self.per_host} a host)")
+            timer = threading.Timer(self.read_timeout_s, context.cancel)
+            timer.daemon = True
+            timer.start()
+            try:
+                request = next(iter(requests), None)
+            finally:
+                timer.cancel()
+                self._leave(host)
+            if request is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Check carries one HealthCheckRequest")
+            return inner(request, context)
+
+        return grpc.stream_unary_rpc_method_handler(guarded, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
+
+
+def _peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:10.0.0.5:5000`` -> ``ipv4:10.0.0.5``, ``ipv6:[::1]:5000``
+    -> ``ipv6:[::1]``); the string itself for others (``unix:...``)."""
+    head, _, port = peer.rpartition(":")
+    return head if head and port.isdigit() and head.count(":") >= 1 else peer
+
+
 class BoundedHealth(health.HealthServicer):
     """grpc.health.v1 with at most ``max_watchers`` Watch streams open at once; more get
     RESOURCE_EXHAUSTED at once. A Watch holds no worker thread (grpc_health's non-blocking mode),
@@ -240,8 +313,9 @@ def create_server(
             ("grpc.max_send_message_length", message_limits[1]),
         ],
         maximum_concurrent_rpcs=2 * max_workers,
-        # innermost last: auth (outer) answers UNAUTHENTICATED before a malformed body is reported
-        interceptors=[*interceptors, MalformedRequests()],
+        # innermost last: health's guard, then auth (outer) answers UNAUTHENTICATED before a
+        # malformed body is reported
+        interceptors=[HealthCheckGuard(max(1, max_workers // 4)), *interceptors, MalformedRequests()],
     )
     register(server)
     names = list(service_names)

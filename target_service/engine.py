@@ -341,29 +341,35 @@ class TargetEngine:
         budget = self.max_batch_rows - (MIN_PREFILL_CHUNK if waiting_prefill else 0)
         planned: set[int] = set()
         solo: list[tuple[int, ForwardRequest]] = []
-        for i, need in enumerate(needs):  # 0. sampling jobs: each alone, as if nothing else waited
-            if need is None or jobs[i].sampling.greedy:
-                continue
-            planned.add(i)
-            session, cached, rows = need
-            job = jobs[i]
-            if rows <= self.max_batch_rows:
-                solo.append((i, ForwardRequest(session, job.tokens + job.draft, len(job.draft) + 1)))
-            else:
-                end = min(cached + self.max_batch_rows, len(job.tokens) - 1)
-                solo.append((i, ForwardRequest(session, job.tokens[:end], 0)))
-        for i, need in enumerate(needs):  # 1. verify-sized work, oldest first
-            if need is not None and i not in planned and need[2] <= VERIFY_SIZED_ROWS and need[2] <= budget:
+        for i, need in enumerate(needs):  # 1. greedy verify-sized work, oldest first: a token each a step
+            if (need is not None and jobs[i].sampling.greedy and need[2] <= VERIFY_SIZED_ROWS
+                    and need[2] <= budget):
                 job = jobs[i]
                 plan.append((i, ForwardRequest(need[0], job.tokens + job.draft, len(job.draft) + 1)))
                 planned.add(i)
                 budget -= need[2]
+        for i, need in enumerate(needs):  # 2. sampling jobs, oldest first, each a pass alone
+            if need is None or jobs[i].sampling.greedy:
+                continue
+            session, cached, rows = need
+            job = jobs[i]
+            # chunked as if nothing else waited (its output must not depend on the load), and
+            # counted against the same row budget as everything else in the step, one pass at
+            # least: 48 of them each computed alone in one step took 14 s, past the hang watchdog
+            request = (ForwardRequest(session, job.tokens + job.draft, len(job.draft) + 1) if rows <= self.max_batch_rows
+                       else ForwardRequest(session, job.tokens[:min(cached + self.max_batch_rows, len(job.tokens) - 1)], 0))
+            cost = min(rows, self.max_batch_rows)
+            if solo and cost > budget:
+                break  # in order: a later, smaller one does not overtake it
+            solo.append((i, request))
+            planned.add(i)
+            budget -= cost
         budget += MIN_PREFILL_CHUNK if waiting_prefill else 0
         if plan and self.shared_prefill_rows:
             # Others decode in this pass: a smaller prefill chunk keeps their next token close.
             budget = min(budget, self.shared_prefill_rows)
-        for i, need in enumerate(needs):  # 2. the rest (long prefills), whole or in chunks, oldest first
-            if need is None or i in planned or budget <= 0:
+        for i, need in enumerate(needs):  # 3. the rest (long greedy prefills), whole or in chunks, oldest first
+            if need is None or i in planned or not jobs[i].sampling.greedy or budget <= 0:
                 continue
             session, cached, rows = need
             job = jobs[i]

@@ -74,7 +74,10 @@ class TransformersProposer(Proposer):
                 active.append(i)
                 requests.append(ForwardRequest(session, job.tokens + job.drafted, 1))
             # Greedy jobs share a pass; each sampling job runs alone, so a seeded request's draft
-            # probabilities (and so its output) never depend on the batch around it.
+            # probabilities (and so its output) never depend on the batch around it. The sampling
+            # passes of one step hold SAMPLING_ROWS_PER_STEP rows (one pass at least, in order);
+            # the others wait for the next step (all of them at once took seconds a step).
+            active, requests = _within_budget(active, requests, jobs)
             greedy = [n for n, i in enumerate(active) if jobs[i].sampling.greedy]
             groups = ([greedy] if greedy else []) + [[n] for n, i in enumerate(active) if not jobs[i].sampling.greedy]
             results: list = [None] * len(active)
@@ -94,3 +97,26 @@ class TransformersProposer(Proposer):
             if job.advance(job.probabilities(result.logits[-1]), self._eos, sessions):
                 outcomes[i] = job.proposal()
         return StepResult(outcomes, sessions, rows)
+
+
+# Rows the sampling passes of one draft step may hold, past which they wait for the next step
+SAMPLING_ROWS_PER_STEP = 256
+
+
+def _within_budget(active: list[int], requests: list[ForwardRequest], jobs: list[ProposeJob]
+                   ) -> tuple[list[int], list[ForwardRequest]]:
+    """``active`` and ``requests`` less the sampling jobs past this step's budget (their outcome
+    stays PENDING: they run in a later step)."""
+    from specdec.sessions import common_prefix_len
+
+    budget, kept = SAMPLING_ROWS_PER_STEP, []
+    for n, i in enumerate(active):
+        if not jobs[i].sampling.greedy:
+            request = requests[n]
+            rows = len(request.tokens) - common_prefix_len(request.session.tokens, request.tokens)
+            if budget < rows and budget < SAMPLING_ROWS_PER_STEP:
+                budget = -1  # in order: a later, smaller one does not overtake it
+                continue
+            budget -= rows
+        kept.append(n)
+    return [active[n] for n in kept], [requests[n] for n in kept]

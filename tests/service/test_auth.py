@@ -215,7 +215,16 @@ def test_health_and_ready_stay_open(protected):
     assert set(r.json()) == {"ready", "reason", "degraded"}
     assert set(client.get("/ready", headers={"authorization": "Bearer nope"}).json()) == {"ready", "reason", "degraded"}
     detailed = client.get("/ready", headers={"authorization": f"Bearer {KEYS[0]}"}).json()
-    assert {"draft", "target", "replicas"} <= set(detailed) and detailed["reason"] == r.json()["reason"]
+    assert {"draft", "target", "replicas"} <= set(detailed)
+    # the reason names the unreachable address for a caller with a key, never for anyone else
+    address = app_settings(client).target_address
+    assert address in detailed["reason"]
+    assert address not in r.json()["reason"] and address.rsplit(":", 1)[0] not in r.json()["reason"]
+    assert r.json()["reason"].startswith("target service at … unreachable")
+
+
+def app_settings(client):
+    return client.app.state.rt.settings
 
 
 def test_openapi_declares_the_bearer_scheme(protected):
@@ -317,6 +326,41 @@ def test_token_guards_streaming_rpcs_too(serve):
 
     assert rpc_error(list_services, None).code() == UNAUTHENTICATED
     assert "specdec.v1.TargetService" in list_services(ChannelSecurity(token=TOKEN))
+
+
+def test_health_checks_that_never_send_their_message_hold_no_workers(serve):
+    """200 Health/Check calls (no token needed) that send headers and never their message: an
+    authenticated Info still answers within 2 s, the server ends every one of them itself (most at
+    once, the few it let wait after the read timeout), and a real Check answers afterwards."""
+    port = serve(workers=136, interceptors=[TokenAuth(TOKEN)])
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    never = threading.Event()
+    held = []
+    try:
+        silent = ch.stream_unary("/grpc.health.v1.Health/Check", request_serializer=lambda r: r,
+                                 response_deserializer=health_pb2.HealthCheckResponse.FromString)
+
+        def no_body():
+            never.wait()
+            yield b""
+
+        t0 = time.monotonic()
+        for _ in range(200):
+            held.append(silent.future(no_body(), timeout=60))
+        for _ in range(3):
+            t = time.monotonic()
+            assert info(port, ChannelSecurity(token=TOKEN)).max_context > 0
+            assert time.monotonic() - t < 2
+        codes = collections.Counter(f.exception(timeout=20).code() for f in held)
+        ended_s = time.monotonic() - t0
+        assert codes[grpc.StatusCode.RESOURCE_EXHAUSTED] >= 190, codes
+        assert sum(codes.values()) == 200 and ended_s < 15, (codes, ended_s)  # none left waiting for ever
+        assert health(port) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        never.set()
+        for call in held:
+            call.cancel()
+        ch.close()
 
 
 def test_unauthenticated_floods_leave_room_for_authenticated_calls(serve):
@@ -527,3 +571,12 @@ def test_openai_client_with_api_key(secure_stack):
     assert "".join(ch.choices[0].text for ch in streamed) == c.choices[0].text
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=secure_stack["url"] + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_channel_security_never_prints_its_secrets():
+    from specdec.auth import ChannelSecurity
+
+    security = ChannelSecurity(token="s3cret-token", ca=b"CA PEM", cert=b"CERT PEM", key=b"PRIVATE KEY PEM")
+    shown = repr(security) + str(security) + f"{security}"
+    assert "s3cret-token" not in shown and "PRIVATE KEY" not in shown
+    assert "CA PEM" in shown  # what is not secret stays visible for debugging

@@ -585,3 +585,15 @@ def test_docs_name_the_overlays_that_exist():
     named = set(re.findall(r"kubectl apply -k deploy/overlays/([\w-]+)", doc))
     assert named == set(OVERLAYS) == {p.name for p in (DEPLOY / "overlays").iterdir() if p.is_dir()}
     assert "docs/deploy.md" in (ROOT / "README.md").read_text()
+
+
+def test_the_secrets_recipe_of_the_docs_fills_every_key_of_the_secret():
+    """The overlay replaces the base Secret with secrets.env: the docs' recipe must write every key
+    the base declares (a key left out is missing, and the pod reading it does not start)."""
+    base = yaml.safe_load((ROOT / "deploy" / "base" / "kustomization.yaml").read_text())
+    (secret,) = [g for g in base["secretGenerator"] if g["name"] == "specdec-secrets"]
+    keys = {literal.split("=", 1)[0] for literal in secret["literals"]}
+    recipe = re.search(r"printf '([^']*)'[^\n]*(?:\\\n[^\n]*)*> secrets\.env", (ROOT / "docs" / "deploy.md").read_text())
+    assert recipe, "docs/deploy.md has no secrets.env recipe"
+    written = {line.split("=", 1)[0] for line in recipe[1].split("\\n") if line}
+    assert written == keys == {"api-keys", "ui-api-key", "ui-password", "grpc-token"}

@@ -123,6 +123,26 @@ def test_unsupported_architecture_gets_a_clear_error(tmp_path):
     assert not list((tmp_path / "cache" / "gguf").glob("*.gguf"))
 
 
+@pytest.mark.parametrize("plant", ["auto_map", "python_file"])
+def test_a_folder_with_remote_code_is_refused_not_converted(bpe_models, tmp_path, plant):
+    """llama.cpp's converter loads some tokenizers with trust_remote_code=True: a checkpoint that
+    carries code is refused before the converter starts, and the code never runs."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(bpe_models["llama"], model)
+    ran = tmp_path / "ran"
+    (model / "tokenization_evil.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+    if plant == "auto_map":
+        (model / "tokenization_evil.py").rename(model / "sub.txt")  # the map alone names the code
+        config = json.loads((model / "tokenizer_config.json").read_text())
+        config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=r"holds code .* SPECDEC_DRAFT_BACKEND=transformers"):
+        ensure_gguf(str(model), "f16", tmp_path / "cache")
+    assert not ran.exists() and not list((tmp_path / "cache").rglob("*.gguf"))
+
+
 def test_two_processes_convert_once(bpe_models, tmp_path):
     """Two services starting together: one converts, the other waits on the lock and takes its file."""
     env = {**os.environ, "SPECDEC_CACHE_DIR": str(tmp_path)}

@@ -112,6 +112,31 @@ def test_sampling_in_a_batch_is_reproducible(loaded):
     assert [v.next_token for v in batched.outcomes] == alone
 
 
+def test_sampling_passes_count_against_the_row_budget(loaded):
+    """Six sampling requests, each a pass of its own, and a greedy one: a step computes the greedy
+    request's token and as many sampling passes as its row budget holds (one at least), not all of
+    them; each sampled token is still the one it gets alone."""
+    s = sm.Sampling(temperature=0.8, seed=4)
+    prompts = [[(7 * i + j) % 40 + 2 for j in range(30)] for i in range(6)]
+    alone = [engine_of(loaded, 32).verify(f"a{i}", p, sampling=s).next_token for i, p in enumerate(prompts)]
+    engine = engine_of(loaded, max_batch_rows=32)
+    jobs = [engine.prepare(f"s{i}", p, sampling=s) for i, p in enumerate(prompts)] + [engine.prepare("g", [1, 2, 3])]
+    got: dict[int, int] = {}
+    steps = 0
+    while len(got) < len(jobs):
+        waiting = [i for i in range(len(jobs)) if i not in got]
+        result = engine.step([jobs[i] for i in waiting])
+        steps += 1
+        assert result.rows <= engine.max_batch_rows + 30, result.rows  # the budget, plus one pass at most
+        if steps == 1:
+            assert result.outcomes[-1] is not PENDING  # the greedy request got its token at once
+        for i, outcome in zip(waiting, result.outcomes, strict=True):
+            if outcome is not PENDING:
+                got[i] = outcome.next_token
+    assert [got[i] for i in range(len(prompts))] == alone
+    assert steps >= 3  # spread over steps, not one pass of 180 rows
+
+
 def test_scheduler_batches_what_waits(loaded):
     """Calls from many threads meet in shared passes; every answer is the one it gets alone."""
     engine = engine_of(loaded)
@@ -160,6 +185,31 @@ def test_transformers_drafts_in_batches_equal_drafts_alone(tiny_models):
     assert [p.stop_reason for p in together] == [p.stop_reason for p in alone]
     assert steps == max(len(p.tokens) for p in alone)  # k batched steps, not the sum of all drafts
     assert together[0].batch_sessions > 1
+
+
+def test_draft_sampling_passes_count_against_a_row_budget(tiny_models, monkeypatch):
+    """Sampling drafts each run a pass of their own: one step holds as many of them as its row
+    budget allows (one at least, in order), and each draft is still the one it gets alone."""
+    from draft_service.backends import hf
+    from draft_service.backends.hf import TransformersProposer
+
+    monkeypatch.setattr(hf, "SAMPLING_ROWS_PER_STEP", 40)
+    proposer = TransformersProposer(load_hf(tiny_models["llama-draft"]), SessionStore(16, 1 << 30, 0), 8)
+    s = sm.Sampling(temperature=0.9, seed=2)
+    prompts = [[(5 * i + j) % 40 + 2 for j in range(30)] for i in range(5)]
+    alone = [proposer.propose(f"a{i}", p, 3, 0.0, s) for i, p in enumerate(prompts)]
+    jobs = [proposer.prepare(f"b{i}", p, 3, 0.0, s) for i, p in enumerate(prompts)] + \
+        [proposer.prepare("g", [1, 2, 3], 3, 0.0)]
+    outcomes, first_rows = [PENDING] * len(jobs), None
+    while any(o is PENDING for o in outcomes):
+        open_ = [i for i, o in enumerate(outcomes) if o is PENDING]
+        result = proposer.step([jobs[i] for i in open_])
+        first_rows = result.rows if first_rows is None else first_rows
+        assert result.rows <= 40 + 30 + 3, result.rows  # the budget, one pass past it, the greedy draft
+        for i, o in zip(open_, result.outcomes, strict=True):
+            outcomes[i] = o
+    assert first_rows < 5 * 30  # not every sampling prefill in the first step
+    assert [p.tokens for p in outcomes[:5]] == [p.tokens for p in alone]
 
 
 @pytest.mark.embedded
