@@ -156,6 +156,19 @@ def test_usage_counts_the_tokens_returned_when_a_stop_string_ends_inside_a_specu
     assert checked >= 2
 
 
+def _same_logprobs(spec, plain) -> list:
+    """Assert two chat replies carry the same text and, token by token, the same logprobs and top
+    logprobs (within 1e-4); return the first's entries."""
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    a, b = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
+    assert len(a) == len(b) == spec.usage.completion_tokens
+    for x, y in zip(a, b, strict=True):
+        assert x.token == y.token and abs(x.logprob - y.logprob) <= 1e-4
+        assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
+        assert max(abs(s.logprob - t.logprob) for s, t in zip(x.top_logprobs, y.top_logprobs, strict=True)) <= 1e-4
+    return a
+
+
 def test_logprobs_are_the_same_with_speculation_on_and_off(embedded_stack):
     """Each token's logprob comes from the target's own verify row at its position, which is bit
     for bit the row a plain step computes: drafted or not, the same numbers (here within 1e-4)."""
@@ -172,13 +185,7 @@ def test_logprobs_are_the_same_with_speculation_on_and_off(embedded_stack):
                                                    extra_body={"mode": mode})
             runs[mode] = reply
         spec, plain = runs["speculative"], runs["autoregressive"]
-        assert spec.choices[0].message.content == plain.choices[0].message.content
-        a, b = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
-        assert len(a) == len(b) == spec.usage.completion_tokens
-        for x, y in zip(a, b, strict=True):
-            assert x.token == y.token and abs(x.logprob - y.logprob) <= 1e-4
-            assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
-            assert max(abs(s.logprob - t.logprob) for s, t in zip(x.top_logprobs, y.top_logprobs, strict=True)) <= 1e-4
+        a = _same_logprobs(spec, plain)
         text = b"".join(bytes(e.bytes) for e in a).decode("utf-8", errors="replace")
         assert text.startswith(spec.choices[0].message.content)  # the tokens' bytes spell the answer
         drafted += spec.model_extra["specdec"]["accepted_tokens"]
@@ -199,13 +206,8 @@ def test_processed_logprobs_are_the_same_with_speculation_on_and_off(embedded_st
             logprobs=True, top_logprobs=3, presence_penalty=0.8, logit_bias={"28": -5},
             extra_body={"mode": mode, "logprobs_mode": "processed_logprobs", "repetition_penalty": 1.2})
     spec, plain = runs["speculative"], runs["autoregressive"]
-    assert spec.choices[0].message.content == plain.choices[0].message.content
-    a, b = spec.choices[0].logprobs.content, plain.choices[0].logprobs.content
-    assert len(a) == len(b) == spec.usage.completion_tokens
-    for x, y in zip(a, b, strict=True):
-        assert x.token == y.token and abs(x.logprob - y.logprob) <= 1e-4
+    for x in _same_logprobs(spec, plain):
         assert x.logprob == x.top_logprobs[0].logprob  # greedy on the processed row: its likeliest
-        assert max(abs(s.logprob - t.logprob) for s, t in zip(x.top_logprobs, y.top_logprobs, strict=True)) <= 1e-4
     assert spec.model_extra["specdec"]["accepted_tokens"] > 0
 
 
