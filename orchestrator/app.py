@@ -282,8 +282,7 @@ async def _prepare(rt: Runtime, body: GenerateRequest, request: Request) -> Run:
                         **body.processing())
     prompt_ids, [slot] = await tokenize(rt, client_key(request), request_prompt, rt, body,
                                         size=prompt_size(rt, body.prompt, body.messages))
-    return prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos, sampling, client_key(request),
-                   slot=slot)
+    return prepare(rt, body, prompt_ids, body.max_tokens, body.stop, body.ignore_eos, sampling, slot)
 
 
 @generate_router.post("/v1/generate", response_model=GenerateResponse)

@@ -457,10 +457,7 @@ class SpeculativeRequest:
         except grpc.aio.AioRpcError as exc:
             step.k = 0  # no Propose right after
             self.draft_seen = self.catch_up_from  # what the draft holds for sure
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.catch_up_chunk > MIN_CATCH_UP_CHUNK:
-                # a chunk too large for this draft's speed now, not a draft that is down: smaller ones
-                self.catch_up_chunk = max(self.catch_up_chunk // 2, MIN_CATCH_UP_CHUNK)
-            else:
+            if not self._shrink_catch_up(exc):
                 # reported with this step, which runs without a draft because of it
                 step.draft_error = self.draft_failed(exc)
         except asyncio.CancelledError:
@@ -496,12 +493,19 @@ class SpeculativeRequest:
             try:
                 await self.call(self._catch_up_call(end, yield_cores))
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.catch_up_chunk > MIN_CATCH_UP_CHUNK:
-                    self.catch_up_chunk = max(self.catch_up_chunk // 2, MIN_CATCH_UP_CHUNK)
+                if self._shrink_catch_up(exc):
                     continue
                 step.draft_error = self.draft_failed(exc)
                 return False
             self.draft_seen = end
+        return True
+
+    def _shrink_catch_up(self, exc: grpc.aio.AioRpcError) -> bool:
+        """A catch-up chunk past its deadline is too large for the draft's speed now, not a draft
+        that is down: halve the chunk (True) until the floor, where it fails as any call does."""
+        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self.catch_up_chunk <= MIN_CATCH_UP_CHUNK:
+            return False
+        self.catch_up_chunk = max(self.catch_up_chunk // 2, MIN_CATCH_UP_CHUNK)
         return True
 
     async def fetch_draft(self, step: _Step) -> None:

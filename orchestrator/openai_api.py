@@ -134,7 +134,7 @@ async def completions(body: CompletionRequest, request: Request):
                         **body.processing())
     prompt_ids, slots = await tokenize(rt, client_key(request), encode_prompt, rt, body.prompt, n=body.n,
                                        size=prompt_size(rt, body.prompt))
-    runs = _runs(rt, body, prompt_ids, body.max_tokens, sampling, slots, request)
+    runs = _runs(rt, body, prompt_ids, body.max_tokens, sampling, slots)
     return await _respond(runs, request, body.stream, chat=False, echo=body.prompt if body.echo else "")
 
 
@@ -155,12 +155,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                        n=body.n, size=prompt_size(rt, None, body.messages))
     # OpenAI's chat has no default length: to EOS or the end of the context (up to the server's limit)
     max_tokens = body.max_completion_tokens or body.max_tokens or rt.settings.max_tokens_limit
-    runs = _runs(rt, body, prompt_ids, max_tokens, sampling, slots, request)
+    runs = _runs(rt, body, prompt_ids, max_tokens, sampling, slots)
     return await _respond(runs, request, body.stream, chat=True, tool_plan=tool_plan)
 
 
 def _runs(rt: Any, body: OpenAIRequest, prompt_ids: list[int], max_tokens: int | None, sampling: Sampling,
-          slots: list[Any], request: Request) -> list[Any]:
+          slots: list[Any]) -> list[Any]:
     """One :class:`Run` per choice, each on its slot; choice i samples with seed + i (a greedy
     request's choices are alike). A refusal releases every slot."""
     runs = []
@@ -168,9 +168,8 @@ def _runs(rt: Any, body: OpenAIRequest, prompt_ids: list[int], max_tokens: int |
     try:
         for i, slot in enumerate(slots):
             choice = dataclasses.replace(sampling, seed=(sampling.seed + i) % MAX_SEED)
-            runs.append(prepare(rt, body, prompt_ids, max_tokens, body.stop, body.ignore_eos, choice,
-                                client_key(request), body.logprob_count(), slot))
-            runs[-1].params.processed_logprobs = processed
+            runs.append(prepare(rt, body, prompt_ids, max_tokens, body.stop, body.ignore_eos, choice, slot,
+                                body.logprob_count(), processed))
     except BaseException:
         for slot in slots:
             slot.release()
@@ -261,11 +260,10 @@ async def _respond(runs: list[Any], request: Request, stream: bool, chat: bool, 
             yield "data", chunk(index, None, None, first=True)
         elif echo:
             yield "data", chunk(index, echo, None)
-        held: list[str] = []
         async for event, payload in events:
             if event == "step" and tool_plan is not None:
-                held.append(payload.text)
-            elif event == "step" and (payload.text or (per_step and wants_logprobs and payload.tokens)):
+                continue  # the text comes with "done", the calls parsed out of it
+            if event == "step" and (payload.text or (per_step and wants_logprobs and payload.tokens)):
                 lp = logprobs_of(payload.tokens, payload.logprobs or [], offset) if per_step else None
                 offset += len(payload.text)
                 yield "data", chunk(index, payload.text, None, logprobs=lp)

@@ -249,26 +249,22 @@ def request_prompt(rt: Runtime, body: GenerateRequest) -> list[int]:
 
 
 def prepare(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tokens: int | None,
-            stop: list[str] | str | None, ignore_eos: bool, sampling: Sampling, key: str | None = None,
-            logprobs: int | None = None, slot: Slot | None = None) -> Run:
-    """The request's :class:`Run`, holding ``slot`` (from :func:`tokenize`; None: one is taken
-    here, or 429). Any refusal here releases the slot."""
+            stop: list[str] | str | None, ignore_eos: bool, sampling: Sampling, slot: Slot,
+            logprobs: int | None = None, processed_logprobs: bool = False) -> Run:
+    """The request's :class:`Run`, holding ``slot`` (from :func:`tokenize`). Any refusal here
+    releases the slot."""
     try:
-        params, name, k, max_k = _params(rt, spec, prompt_ids, max_tokens, stop, ignore_eos, sampling, logprobs)
-        if slot is None:
-            check_admission(rt, key)
-            slot = Slot.take(rt, key)
+        params, name, k, max_k = _params(rt, spec, prompt_ids, max_tokens, stop, ignore_eos, sampling, logprobs,
+                                         processed_logprobs, slot.queued_s)
     except BaseException:
-        if slot is not None:
-            slot.release()
+        slot.release()
         raise
-    params.queued_s = slot.queued_s
     return Run(rt, params, name, k, max_k, len(prompt_ids), slot)
 
 
 def _params(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tokens: int | None,
-            stop: list[str] | str | None, ignore_eos: bool, sampling: Sampling, logprobs: int | None
-            ) -> tuple[GenerationParams, str, int, int]:
+            stop: list[str] | str | None, ignore_eos: bool, sampling: Sampling, logprobs: int | None,
+            processed_logprobs: bool, queued_s: float) -> tuple[GenerationParams, str, int, int]:
     require_ready(rt)
     s = rt.settings
     limits = rt.limits
@@ -304,7 +300,9 @@ def _params(rt: Runtime, spec: SpeculationParams, prompt_ids: list[int], max_tok
         ignore_eos=ignore_eos,
         overlap=spec.overlap if spec.overlap is not None else {"on": True, "off": False, "auto": None}[s.default_overlap],
         logprobs=logprobs,
+        processed_logprobs=processed_logprobs,
         model_name=rt.model_name,
+        queued_s=queued_s,
         draft_catch_up_chunk=s.draft_catch_up_chunk,
     )
     return params, name, k, max_k

@@ -376,7 +376,8 @@ def _runtime(max_concurrent: int = 2, per_key: int = 1):
     from orchestrator.runtime import Runtime
     from orchestrator.settings import OrchestratorSettings
 
-    settings = OrchestratorSettings(max_concurrent_requests=max_concurrent, max_concurrent_requests_per_key=per_key)
+    settings = OrchestratorSettings(max_concurrent_requests=max_concurrent, max_concurrent_requests_per_key=per_key,
+                                    max_queued_requests=0)
     rt = Runtime(settings=settings, draft=None, target=None, draft_health=DraftHealth(1.0))
     rt.tokenizer, rt.not_ready = object(), ""
     rt.limits = ModelLimits(100, 8, 100, 8, {0})
@@ -384,24 +385,35 @@ def _runtime(max_concurrent: int = 2, per_key: int = 1):
 
 
 def test_admission_limits_answer_429_with_retry_after():
+    """Without a queue (max_queued_requests=0) a request over the limits gets 429 at once; a
+    refusal in prepare gives its slot back."""
     from fastapi import HTTPException
 
     from orchestrator.schemas import GenerateRequest
-    from orchestrator.service import prepare
+    from orchestrator.service import admit, prepare
 
     rt = _runtime(max_concurrent=2, per_key=1)
     body = GenerateRequest(prompt="x")
-    first = prepare(rt, body, [1, 2], 4, None, False, sm.Sampling(), key="k1")
+
+    def take(key):
+        (slot,) = asyncio.run(admit(rt, key))
+        return prepare(rt, body, [1, 2], 4, None, False, sm.Sampling(), slot)
+
+    first = take("k1")
     with pytest.raises(HTTPException) as err:
-        prepare(rt, body, [1, 2], 4, None, False, sm.Sampling(), key="k1")
+        take("k1")
     assert err.value.status_code == 429 and err.value.headers["Retry-After"] == "1" and "API key" in err.value.detail
-    second = prepare(rt, body, [1, 2], 4, None, False, sm.Sampling(), key="k2")
+    second = take("k2")
     with pytest.raises(HTTPException) as err:
-        prepare(rt, body, [1, 2], 4, None, False, sm.Sampling(), key="k3")
+        take("k3")
     assert err.value.status_code == 429 and "Retry-After" in err.value.headers
     first.release()
     first.release()  # idempotent
     assert rt.active == 1 and rt.active_per_key == {"k2": 1}
+    (slot,) = asyncio.run(admit(rt, "k1"))
+    with pytest.raises(HTTPException) as err:  # a prompt over the context: refused, its slot freed
+        prepare(rt, body, list(range(1, 101)), 4, None, False, sm.Sampling(), slot)
+    assert err.value.status_code == 400 and rt.active == 1 and slot.released
     second.release()
     assert rt.active == 0 and rt.active_per_key == {}
 

@@ -354,6 +354,31 @@ def test_a_catch_up_chunk_past_its_deadline_halves_and_never_marks_the_draft_dow
     assert any(s.k > 0 and s.accepted for s in steps)  # it speculated once caught up
 
 
+def test_a_catch_up_that_misses_its_deadline_at_the_floor_is_a_fallback(engine, monkeypatch):
+    """Halving stops at the floor: a draft too slow even for that fails as any call does (a
+    fallback, the draft left alone for its retry interval), and the output stays plain greedy."""
+    import grpc
+
+    from orchestrator import loop
+
+    monkeypatch.setattr(loop, "MIN_CATCH_UP_CHUNK", 8)
+
+    class Hopeless(LongPromptDraft):
+        async def propose(self, session_id, tokens, k, threshold, sampling, yield_cores=False):
+            self.calls.append((len(tokens), k))
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "Deadline Exceeded")
+
+    reference = greedy_reference(engine.lm.model, LONG_PROMPT, 12)
+    draft = Hopeless(reference, delay_s=0.0)
+    params = GenerationParams(prompt_ids=LONG_PROMPT, max_tokens=12, ignore_eos=True, draft_catch_up_chunk=32)
+    steps, stats = asyncio.run(run(engine, draft, params, make_controller("fixed", 4, 8), shared_host=False,
+                                   target=SlowTarget(engine, 0.01)))
+    assert [t for s in steps for t in s.tokens] == reference
+    assert [n for n, _ in draft.calls] == [32, 16, 8]  # halved to the floor, then given up
+    assert stats.draft_fallbacks == 1 and all(s.k == 0 for s in steps)
+
+
 def test_a_sampled_request_waits_for_a_chunked_catch_up_then_drafts(engine):
     """Sampling keeps its k schedule free of timing: its first step waits for the chunks, then
     drafts at its k."""
