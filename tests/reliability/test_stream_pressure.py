@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reliability.helpers import (
     metric,
@@ -66,6 +67,17 @@ def orchestrator(services, name: str, env: dict[str, str]):
     log_dir.mkdir()
     return start_orchestrator(services["ports"]["draft"], services["ports"]["target"], log_dir,
                               {"SPECDEC_ORCHESTRATOR_MAX_TOKENS_LIMIT": str(MAX_TOKENS), **env})
+
+
+def requests_seen(url: str) -> int:
+    """Generations the orchestrator has taken in: running, waiting for a slot, or ended."""
+    seen = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in ("specdec:num_requests_running", "specdec:num_requests_waiting",
+                               "specdec:e2e_request_latency_seconds_count"):
+                seen += sample.value
+    return int(seen)
 
 
 def long_body(max_tokens: int = MAX_TOKENS) -> dict:
@@ -153,6 +165,12 @@ def test_sigterm_mid_stream_ends_every_generation_with_a_terminal_answer(service
                    for i, b in enumerate(bodies)]
         for _ in range(16):  # every stream is under way
             assert started.acquire(timeout=60), proc.tail()
+        # and every plain request reached the server (running, queued or done): on a slow machine a
+        # thread not yet connected when the signal came would meet the closed listener instead
+        deadline = time.monotonic() + 60
+        while requests_seen(url) < len(bodies):
+            assert time.monotonic() < deadline, (requests_seen(url), proc.tail())
+            time.sleep(0.05)
         t_signal = time.monotonic()
         proc.popen.send_signal(signal.SIGTERM)
         refused = post(url, "/v1/generate", {"prompt": PROMPT, "max_tokens": 4}, 5.0)  # a new client meanwhile
