@@ -6,7 +6,7 @@ import uvicorn
 
 from orchestrator.app import create_app
 from orchestrator.settings import OrchestratorSettings
-from orchestrator.streams import BoundedServer
+from orchestrator.streams import BoundedServer, bounded_protocol
 from specdec.server import configure_logging
 
 
@@ -23,7 +23,8 @@ def main() -> None:
     # uvicorn waits this long for open requests after the signal: the drain plus a margin for the
     # terminal events (non-streaming requests get their 503 in the same time)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=settings.drain_timeout_s + 5)
+                            timeout_graceful_shutdown=settings.drain_timeout_s + 5,
+                            http=bounded_protocol(settings.header_timeout_s, settings.response_send_timeout_s))
     BoundedServer(config, settings.stream_send_buffer_kb * 1024, drain, settings.drain_timeout_s).run()
 
 

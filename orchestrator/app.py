@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from orchestrator.auth import add_api_key_auth, may_see_details
 from orchestrator.openai_api import router as openai_router
@@ -55,8 +56,8 @@ class BodyLimit:
     into a 400. Bodies are small (1 MiB by default), so buffering them costs nothing.
     """
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, timeout_s: float = 30.0) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -70,17 +71,22 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away mid-body
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                return await self._reject(scope, send)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client went away mid-body
+                        return
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        return await self._reject(scope, send)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            return await self._refuse(scope, send, 408, f"request body not received within {self.timeout_s:.0f} s",
+                                      close=True)
         # `"role"` can only stand in JSON as a key (inside a string a quote is escaped): a count of
         # them over the bound refuses a body of tens of thousands of messages before it is parsed
         # (~100 ms of the event loop for a 1 MiB one), where the schema would say the same after
@@ -102,11 +108,13 @@ class BodyLimit:
     async def _reject(self, scope: dict, send: Any) -> None:
         await self._refuse(scope, send, 413, f"request body over {self.max_bytes} bytes")
 
-    async def _refuse(self, scope: dict, send: Any, status: int, message: str, param: str | None = None) -> None:
+    async def _refuse(self, scope: dict, send: Any, status: int, message: str, param: str | None = None,
+                      close: bool = False) -> None:
         body = (error_bytes(status, message, param) if is_openai_path(scope.get("path", ""))
                 else json.dumps({"detail": message}).encode())
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    "headers": headers + ([(b"connection", b"close")] if close else [])})
         await send({"type": "http.response.body", "body": body})
 
 
@@ -196,11 +204,12 @@ def create_app(settings: OrchestratorSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings = settings or OrchestratorSettings()
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(OpenAIError, _openai_error)
-    add_api_key_auth(app, settings)  # outermost: a request without a valid key is refused before its body is read
+    add_api_key_auth(app, settings)  # a request without a valid key is refused before its body is read
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts())  # outermost
     app.include_router(ops_router)
     app.include_router(generate_router)
     app.include_router(openai_router)

@@ -27,6 +27,7 @@ _KINDS: dict[int, tuple[str, str | None]] = {
     403: ("permission_error", None),
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     422: ("invalid_request_error", None),
     429: ("rate_limit_error", "rate_limit_exceeded"),

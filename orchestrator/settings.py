@@ -10,6 +10,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from specdec.settings import check_secret, check_tls
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1")  # bound to ::1: name the hosts in allowed_hosts
+
 ControllerName = Literal["fixed", "acceptance", "hf", "cost"]
 
 
@@ -102,6 +104,23 @@ class OrchestratorSettings(BaseSettings):
         256, ge=0, description="Send buffer of each client connection in KiB (0: the kernel's own, which grows to "
                                "several MiB): what may wait for a client that stopped reading before the send timeout runs.",
     )
+    response_send_timeout_s: float = Field(
+        30.0, gt=0, description="A connection whose client takes no byte of a response for this long is closed and "
+                                "what waits for it dropped (a non-streaming answer nobody reads; streams end sooner "
+                                "by stream_send_timeout_s).",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A connection that has not sent a whole request head this long after it opened (or "
+                                "after its last response) is closed: a client trickling headers holds no connection.",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A request whose body has not fully arrived this long after its head gets HTTP 408.",
+    )
+    allowed_hosts: str | None = Field(
+        None, description="Comma-separated host names the Host header may carry (`*.example.com` matches subdomains, "
+                          "`*` any); others get HTTP 400. Default: bound to 127.0.0.1 or localhost, only "
+                          "`localhost,127.0.0.1` (a web page's DNS rebinding cannot reach the API), else any.",
+    )
     model_name: str | None = Field(None, description="Model name reported by /v1/models; default: the target's model id.")
     log_level: str = Field("INFO", description="Python logging level.")
     # A comma-separated string, not a list: pydantic-settings would otherwise expect JSON in the variable.
@@ -130,6 +149,12 @@ class OrchestratorSettings(BaseSettings):
     target_tls_server_name: str | None = Field(
         None, description="Name to expect in the target service's certificate; wins over grpc_tls_server_name."
     )
+
+    def trusted_hosts(self) -> list[str]:
+        """The Host header values the API answers (``allowed_hosts``, or the default for the bind address)."""
+        if self.allowed_hosts is not None:
+            return [h.strip() for h in self.allowed_hosts.split(",") if h.strip()] or ["*"]
+        return list(LOOPBACK_HOSTS) if self.host in LOOPBACK_HOSTS else ["*"]
 
     @model_validator(mode="after")
     def _check_security(self):

@@ -10,6 +10,7 @@ minutes.
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -139,6 +140,64 @@ def test_sixty_four_silent_clients_are_cancelled_and_the_orchestrator_stays_boun
     assert generated < CLIENTS * MAX_TOKENS / 2, report
     assert released == {k: {"sessions": 0, "kv_bytes": 0} for k in services["ports"]}, report
     assert growth_mib < RSS_GROWTH_LIMIT_MIB, report
+    assert fresh.status == 200, report
+
+
+def test_sixty_four_unread_answers_are_dropped_and_the_orchestrator_stays_bounded(services):
+    """64 non-streaming completions with logprobs whose clients never read the answer (4 KiB
+    receive buffers): each whole answer is handed to its connection at once, so without a bound it
+    would be held, with its connection, as long as the client lives. Each connection is
+    aborted within the response send timeout, and the orchestrator's memory returns to its level."""
+    proc, url = orchestrator(services, "unread", {"SPECDEC_ORCHESTRATOR_RESPONSE_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S),
+                                                  "SPECDEC_ORCHESTRATOR_STREAM_SEND_BUFFER_KB": "4"})
+    body = {"prompt": PROMPT, "max_tokens": 256, "logprobs": 5, "ignore_eos": True}
+    try:
+        pid = proc.popen.pid
+        warm = post(url, "/v1/completions", body)
+        assert warm.status == 200, warm.body
+        answer_kib = len(json.dumps(warm.body)) / 1024
+        rss_before = rss_kib(pid)
+        stalled_before = metric(url, "specdec_connections_stalled_total")
+        t0 = time.monotonic()
+        socks = [silent_stream(url, "/v1/completions", body) for _ in range(CLIENTS)]
+        try:
+            peak_rss, stalled = rss_before, 0.0
+            while time.monotonic() - t0 < 240 and stalled < CLIENTS:
+                peak_rss = max(peak_rss, rss_kib(pid))
+                stalled = metric(url, "specdec_connections_stalled_total") - stalled_before
+                time.sleep(0.25)
+            dropped_after_s = time.monotonic() - t0
+            rss_after = rss_kib(pid)
+            fresh = post(url, "/v1/generate", {"prompt": PROMPT, "max_tokens": 8})  # the silent sockets still open
+            reset = 0
+            for sock in socks:  # each was aborted: the client sees a reset, or its answer end short
+                sock.settimeout(5)
+                try:
+                    while sock.recv(1 << 16):
+                        pass
+                    reset += 1
+                except ConnectionResetError:
+                    reset += 1
+                except TimeoutError:
+                    pass
+        finally:
+            for sock in socks:
+                sock.close()
+    finally:
+        proc.stop()
+    report = {"clients": CLIENTS, "answer_kib": round(answer_kib), "send_timeout_s": SEND_TIMEOUT_S,
+              "dropped": stalled, "all_dropped_after_s": round(dropped_after_s, 1), "connections_ended": reset,
+              "orchestrator_rss_mib": {"before": round(rss_before / 1024, 1), "peak": round(peak_rss / 1024, 1),
+                                       "after": round(rss_after / 1024, 1)},
+              "fresh_request_status": fresh.status}
+    write_report("unread_answers", report)
+    summarize("64 unread non-streaming answers", [
+        f"{CLIENTS} completions of {answer_kib:.0f} KiB each never read: {stalled:.0f} connections dropped, the last "
+        f"{dropped_after_s:.1f} s after they were sent (send timeout {SEND_TIMEOUT_S} s); {reset} clients saw theirs end",
+        f"orchestrator RSS {rss_before / 1024:.0f} MiB before, {peak_rss / 1024:.0f} MiB at the peak, "
+        f"{rss_after / 1024:.0f} MiB after; a fresh request: {fresh.status}"])
+    assert stalled == CLIENTS and reset == CLIENTS, report
+    assert (rss_after - rss_before) / 1024 < RSS_GROWTH_LIMIT_MIB, report
     assert fresh.status == 200, report
 
 

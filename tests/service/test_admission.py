@@ -32,7 +32,7 @@ class SlowTokenizer:
 def _client(tiny_target_server, **settings) -> TestClient:
     port, path = tiny_target_server
     return TestClient(create_app(OrchestratorSettings(target_address=f"127.0.0.1:{port}",
-                                                      draft_address=f"127.0.0.1:{free_port()}", tokenizer=path, **settings)))
+                                                      draft_address=f"127.0.0.1:{free_port()}", tokenizer=path, **settings)), base_url="http://localhost")
 
 
 def test_a_slow_prompt_does_not_stall_the_event_loop(tiny_target_server):

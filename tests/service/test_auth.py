@@ -172,7 +172,7 @@ def protected(tmp_path_factory):
     file = tmp_path_factory.mktemp("keys") / "keys"
     file.write_text(f"# mounted secret\n{KEYS[1]}\n")
     app = create_app(_settings(api_keys=KEYS[0], api_keys_file=file))
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with TestClient(app, raise_server_exceptions=False, base_url="http://localhost") as client:
         yield app, client
 
 
@@ -245,18 +245,18 @@ def test_request_scope_carries_the_key_id_never_the_key():
     async def whoami(request: Request) -> dict:
         return {"id": api_key_id(request)}
 
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         for key in KEYS:
             assert client.get("/test/whoami", headers={"authorization": f"Bearer {key}"}).json() == {"id": key_id(key)}
     open_app = create_app(_settings())
     open_app.get("/test/whoami")(whoami)
-    with TestClient(open_app) as client:
+    with TestClient(open_app, base_url="http://localhost") as client:
         assert client.get("/test/whoami").json() == {"id": None}
 
 
 def test_without_keys_everything_stays_open():
     app = create_app(_settings())
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with TestClient(app, raise_server_exceptions=False, base_url="http://localhost") as client:
         for method, path in _every_request(app):
             assert client.request(method, path, json={}).status_code != 401, path
         assert "securitySchemes" not in client.get("/openapi.json").json().get("components", {})

@@ -327,7 +327,7 @@ def app():
 
 async def _post(app, path: str, **kwargs) -> httpx.Response:
     transport = httpx.ASGITransport(app=app)  # which does not run the lifespan: it is entered here
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         return await client.post(path, **kwargs)
 
 
@@ -340,6 +340,51 @@ async def test_chunked_body_over_the_limit_is_413(app):
 
     r = await _post(app, "/v1/generate", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and "4096 bytes" in r.json()["detail"]
+
+
+async def test_a_body_that_does_not_arrive_in_time_is_408_and_the_connection_closed():
+    from orchestrator.app import create_app
+    from orchestrator.settings import OrchestratorSettings
+
+    app = create_app(OrchestratorSettings(draft_address="127.0.0.1:1", target_address="127.0.0.1:1",
+                                          body_timeout_s=0.5))
+
+    async def trickle():
+        yield b'{"prompt": "'
+        await asyncio.sleep(3)  # the rest never comes in time
+        yield b'x"}'
+
+    t0 = time.monotonic()
+    r = await _post(app, "/v1/completions", content=trickle(), headers={"content-type": "application/json"})
+    assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout", r.text
+    assert r.headers["connection"] == "close" and time.monotonic() - t0 < 2.5
+
+
+@pytest.mark.parametrize("host, allowed, status", [
+    ("localhost:8000", None, 200),
+    ("127.0.0.1:8000", None, 200),
+    ("attacker.example:8000", None, 400),  # a page whose name now resolves to 127.0.0.1 (DNS rebinding)
+    ("attacker.example", "api.example,*.internal", 400),
+    ("models.internal", "api.example,*.internal", 200),
+    ("attacker.example", "*", 200),
+])
+async def test_the_host_header_is_checked_against_allowed_hosts(host, allowed, status):
+    from orchestrator.app import create_app
+    from orchestrator.settings import OrchestratorSettings
+
+    app = create_app(OrchestratorSettings(draft_address="127.0.0.1:1", target_address="127.0.0.1:1",
+                                          allowed_hosts=allowed))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+        r = await client.get("/health", headers={"host": host})
+    assert r.status_code == status, r.text
+
+
+def test_any_host_is_allowed_by_default_when_bound_beyond_loopback():
+    from orchestrator.settings import OrchestratorSettings
+
+    assert OrchestratorSettings(host="0.0.0.0").trusted_hosts() == ["*"]
+    assert OrchestratorSettings().trusted_hosts() == ["localhost", "127.0.0.1"]
 
 
 @pytest.mark.parametrize(
@@ -567,7 +612,7 @@ async def test_a_route_before_start_up_is_503_not_a_crash(app):
     """The runtime is built by the lifespan: a request that reaches a route before it (or an app
     served without its lifespan) gets a 503 that says to retry, not a 500."""
     transport = httpx.ASGITransport(app=app)  # no lifespan: app.state has no runtime
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         r = await client.post("/v1/generate", json={"prompt": "hello", "max_tokens": 2})
         info = await client.get("/v1/info")
     assert r.status_code == 503 and "starting" in r.json()["detail"]

@@ -32,7 +32,7 @@ def served(tiny_target_server):
     settings = OrchestratorSettings(target_address=f"127.0.0.1:{port}", draft_address=f"127.0.0.1:{free_port()}",
                                     tokenizer=path, max_tokens_limit=300, max_body_bytes=64 * 1024,
                                     default_max_tokens=8)
-    with TestClient(create_app(settings)) as http:
+    with TestClient(create_app(settings), base_url="http://localhost") as http:
         assert http.get("/ready").status_code == 200
         client = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="unused", http_client=http, max_retries=0)
         yield http, client, client.models.list().data[0].id
@@ -173,7 +173,7 @@ def test_a_missing_or_wrong_api_key_is_an_openai_401(tiny_target_server):
     port, path = tiny_target_server
     settings = OrchestratorSettings(target_address=f"127.0.0.1:{port}", draft_address=f"127.0.0.1:{free_port()}",
                                     tokenizer=path, api_keys="sk-right")
-    with TestClient(create_app(settings)) as http:
+    with TestClient(create_app(settings), base_url="http://localhost") as http:
         for key in ("sk-wrong", None):
             headers = {"authorization": f"Bearer {key}"} if key else {}
             r = http.post("/v1/chat/completions", json={"messages": MESSAGES}, headers=headers)

@@ -14,7 +14,7 @@ def test_a_draft_outage_leaves_the_orchestrator_ready_but_degraded(tiny_target_s
     port, path = tiny_target_server
     dead = f"127.0.0.1:{free_port()}"
     settings = OrchestratorSettings(target_address=f"127.0.0.1:{port}", draft_address=dead, tokenizer=path)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(create_app(settings), base_url="http://localhost") as client:
         r = client.get("/ready")
         assert r.status_code == 200, r.text
         body = r.json()
@@ -32,7 +32,7 @@ def test_a_target_outage_is_not_ready(tiny_target_server):
     _, path = tiny_target_server
     settings = OrchestratorSettings(target_address=f"127.0.0.1:{free_port()}", draft_address=f"127.0.0.1:{free_port()}",
                                     tokenizer=path)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(create_app(settings), base_url="http://localhost") as client:
         r = client.get("/ready")
         assert r.status_code == 503 and r.json()["reason"].startswith("target service at")
 
@@ -51,7 +51,7 @@ def test_a_draft_that_comes_back_is_connected_again_within_seconds(tiny_target_s
     draft_port = free_port()
     settings = OrchestratorSettings(target_address=f"127.0.0.1:{port}", draft_address=f"127.0.0.1:{draft_port}",
                                     tokenizer=path)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(create_app(settings), base_url="http://localhost") as client:
         assert client.get("/ready").json()["degraded"]
         proposer = NgramProposer(SessionStore(4, 1 << 20, 0), 8, max_ngram=3, min_ngram=1, vocab_size=10, max_context=1000)
         server, _, _ = build_draft(proposer, f"127.0.0.1:{draft_port}")
@@ -97,7 +97,7 @@ def test_a_target_swapped_for_another_tokenizer_is_noticed(tiny_models, tmp_path
         settings = OrchestratorSettings(target_address=f"127.0.0.1:{port}", draft_address=f"127.0.0.1:{free_port()}",
                                         tokenizer=tiny_models["gpt2-target"] if pinned else None)
         try:
-            with TestClient(create_app(settings)) as client:
+            with TestClient(create_app(settings), base_url="http://localhost") as client:
                 assert client.get("/ready").status_code == 200
                 server.stop(0).wait()
                 server = serve(str(other))

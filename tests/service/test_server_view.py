@@ -143,7 +143,7 @@ def _settings() -> OrchestratorSettings:
 
 
 def test_route_answers_with_both_services_down():
-    with TestClient(create_app(_settings())) as client:
+    with TestClient(create_app(_settings()), base_url="http://localhost") as client:
         r = client.get("/v1/server")
         assert r.status_code == 200
         body = r.json()

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from prometheus_client import REGISTRY
 
-from orchestrator.streams import BoundedEventSource, BoundedServer
+from orchestrator.streams import BoundedEventSource, BoundedServer, bounded_protocol
 from tests.support import free_port
 
 
@@ -77,3 +77,145 @@ def test_client_connections_get_the_configured_send_buffer():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def _sample(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+class _Serving:
+    """An ASGI app on a real uvicorn server with :class:`BoundedProtocol`'s bounds."""
+
+    def __init__(self, app, header_timeout: float = 60.0, send_timeout: float = 60.0) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, lifespan="off", log_level="warning",
+                                http=bounded_protocol(header_timeout, send_timeout))
+        self.server = BoundedServer(config, 16 * 1024)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> _Serving:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def connections(self) -> int:
+        return len(self.server.server_state.connections)
+
+    def wait_connections(self, n: int, timeout: float) -> float:
+        t0 = time.monotonic()
+        while self.connections() != n:
+            assert time.monotonic() - t0 < timeout, f"{self.connections()} connections, not {n}"
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+
+BIG = 8 << 20  # a non-streaming answer far over every buffer on the way
+
+
+async def _big_answer(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(BIG).encode())]})
+    await send({"type": "http.response.body", "body": b"x" * BIG})
+
+
+def _ask(port: int, rcvbuf: int = 4096) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    return sock
+
+
+def test_a_non_streaming_answer_nobody_reads_is_dropped_after_the_send_timeout():
+    """The whole body waits in the server's transport; closing it would wait for the client for
+    ever. The connection is aborted once the client took no byte for the send timeout."""
+    before = _sample("specdec_connections_stalled_total")
+    with _Serving(_big_answer, send_timeout=1.0) as serving:
+        socks = [_ask(serving.port) for _ in range(4)]
+        try:
+            serving.wait_connections(4, 5)
+            dropped_after = serving.wait_connections(0, 10)
+            assert dropped_after < 6
+            assert _sample("specdec_connections_stalled_total") == before + 4
+            for sock in socks:  # what the client gets: a reset, or the stream ends short of the body
+                sock.settimeout(5)
+                got = 0
+                with _ResetAllowed():
+                    while chunk := sock.recv(1 << 16):
+                        got += len(chunk)
+                assert got < BIG
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+class _ResetAllowed:
+    """A context that lets a reset through: a dropped connection may end either way."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_):
+        return kind is None or issubclass(kind, ConnectionResetError)
+
+
+def test_a_slow_reader_is_not_dropped():
+    """A client that keeps taking bytes, however slowly, gets its whole answer."""
+    before = _sample("specdec_connections_stalled_total")
+    with _Serving(_big_answer, send_timeout=1.0) as serving:
+        with _ask(serving.port, rcvbuf=1 << 20) as sock:
+            sock.settimeout(10)
+            got, head = 0, b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(1)
+            while got < BIG:
+                chunk = sock.recv(512 << 10)
+                assert chunk, f"closed after {got} of {BIG} bytes"
+                got += len(chunk)
+                time.sleep(0.3)  # ~1.7 MB/s: slow, but never idle for the timeout
+            assert got == BIG
+    assert _sample("specdec_connections_stalled_total") == before
+
+
+def test_a_connection_trickling_its_request_head_is_closed_after_the_header_timeout():
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    before = _sample("specdec_connections_headers_late_total")
+    with _Serving(ok, header_timeout=1.0) as serving:
+        with socket.create_connection(("127.0.0.1", serving.port)), \
+                socket.create_connection(("127.0.0.1", serving.port)) as trickle:
+            serving.wait_connections(2, 5)
+            t0 = time.monotonic()
+            trickle.settimeout(0.25)
+            closed = False
+            for byte in b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 40:
+                try:
+                    trickle.send(bytes([byte]))
+                    if trickle.recv(1) == b"":
+                        closed = True
+                        break
+                except TimeoutError:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+                    break
+            assert closed and time.monotonic() - t0 < 4
+            serving.wait_connections(0, 5)  # the silent one too
+        assert _sample("specdec_connections_headers_late_total") == before + 2
+        # a client that sends its request in time is served, and its keep-alive connection then
+        # falls under the same bound again
+        with socket.create_connection(("127.0.0.1", serving.port)) as quick:
+            quick.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            quick.settimeout(5)
+            assert quick.recv(4096).endswith(b"ok")
