@@ -95,8 +95,9 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
 class ReloadingCertificates:
     """The server's certificate, key and client CA, read again when their files change: gRPC asks
     before each new TLS handshake (at most once every ``check_every_s`` are the files looked at), so
-    a renewed certificate (cert-manager, a rotated secret) is served without a restart. A set of
-    files that cannot be read or does not parse (a rotation half written) keeps the previous one."""
+    a renewed certificate or client CA (cert-manager, a rotated secret) is in force without a
+    restart. A set of files that cannot be read or does not parse (a rotation half written, an
+    empty CA file) keeps the previous one."""
 
     def __init__(self, cert_file: Path, key_file: Path, client_ca_file: Path | None = None,
                  check_every_s: float = 1.0) -> None:
@@ -115,9 +116,14 @@ class ReloadingCertificates:
 
         # gRPC takes any bytes here and fails only at the next handshake: check that the key
         # parses and belongs to the certificate first (OpenSSL, through Python's ssl)
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.files[0], self.files[1])
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.files[0], self.files[1])
         cert, key = (f.read_bytes() for f in self.files[:2])
         ca = self.files[2].read_bytes() if len(self.files) > 2 else None
+        if ca is not None:
+            # an empty or truncated CA would refuse every client; non-ASCII bytes can only be in
+            # comments between the PEM blocks, which ssl will not take in a str
+            context.load_verify_locations(cadata=ca.decode("ascii", "ignore"))
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def __call__(self) -> Any:
@@ -132,11 +138,12 @@ class ReloadingCertificates:
                 return None
             config = self._config()
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-            logger.warning("TLS files changed but cannot be read (%s); serving the previous certificate", exc)
+            logger.warning("TLS files changed but do not load (%s); keeping the previous certificate and client CA", exc)
             return None
+        changed = [str(f) for f, old, new in zip(self.files, self._stamp, stamp, strict=True) if old != new]
         self._stamp = stamp
         self.reloads += 1
-        logger.info("TLS certificate reloaded from %s", self.files[0])
+        logger.info("TLS files reloaded: %s", ", ".join(changed))
         return config
 
 
