@@ -4,8 +4,10 @@ rejection-sampling verification. No grpc here; see servicer.py."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,7 +25,7 @@ from specdec.engine import (
     validate_session_id,
     validate_tokens,
 )
-from specdec.errors import InvalidArgument, NotFound
+from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import Grammars
 from specdec.grammar import apply as apply_mask
 from specdec.models import LoadedModel, gguf_tokenizer_fingerprint, load_hf, load_tokenizer, tokenizer_fingerprint
@@ -46,6 +48,7 @@ MIN_PREFILL_CHUNK = 16
 # tokens, 64 against 256 cut p99 inter-token latency from 280 to 211 ms at equal throughput.
 DEFAULT_SHARED_PREFILL_ROWS = 64
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+DEFAULT_MAX_QUEUED_DISTRIBUTION_BYTES = 64 << 20
 LOGPROB_FLOOR = -9999.0  # a processed logprob of a token its distribution excludes (OpenAI's floor)
 
 
@@ -58,7 +61,9 @@ class VerifyJob(CpuAccounted):
     tokens: list[int]  # [n] committed tokens
     draft: list[int]  # [k] draft tokens
     sampling: sm.Sampling
-    q: list[torch.Tensor] | None  # k dense draft distributions [V] (sampling with a draft), else None
+    # k sparse draft distributions, (ids int32, probs float32) (sampling with a draft), else None:
+    # dense, 128 waiting verifications of 32 draft tokens held 0.8 GB of zeros outside the KV budget
+    q: list[tuple[torch.Tensor, torch.Tensor]] | None
     return_target_probs: bool
     yield_cores: bool = False  # a draft computes on this host meanwhile: run on overlap_threads
     logprobs: int | None = None  # None: none; n >= 0: each emitted token's raw logprob and the top n
@@ -66,6 +71,11 @@ class VerifyJob(CpuAccounted):
     prepare_ns: int = 0
     queue_ns: int = 0  # set by the scheduler: wait before the first step
     started_ns: int = 0  # perf_counter_ns of the first step that computed for it
+
+    @property
+    def distribution_bytes(self) -> int:
+        """Bytes its draft distributions hold while it waits (see :class:`HeldBytes`)."""
+        return sum(ids.nbytes + probs.nbytes for ids, probs in self.q or ())
 
 
 @dataclass
@@ -158,8 +168,10 @@ class TargetEngine:
     def __init__(self, loaded: LoadedModel, store: SessionStore, *, max_draft_tokens: int = 32,
                  max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, overlap_threads: int = 0,
                  shared_prefill_rows: int = DEFAULT_SHARED_PREFILL_ROWS, pack_weights: bool = True,
-                 use_runner: bool = True, native: bool = True, gguf: GGUFModel | None = None) -> None:
+                 use_runner: bool = True, native: bool = True, gguf: GGUFModel | None = None,
+                 max_queued_distribution_bytes: int = DEFAULT_MAX_QUEUED_DISTRIBUTION_BYTES) -> None:
         self.loaded = loaded
+        self.held_distributions = HeldBytes(max_queued_distribution_bytes)
         # Rows of long prefills in a pass that also decodes for other sessions (0: max_batch_rows).
         self.shared_prefill_rows = max(shared_prefill_rows, MIN_PREFILL_CHUNK) if shared_prefill_rows else 0
         # Threads of a pass that verifies while a draft computes on this host (0: no change).
@@ -215,7 +227,8 @@ class TargetEngine:
         return cls(loaded, SessionStore.from_settings(settings), max_draft_tokens=settings.max_draft_tokens,
                    max_batch_rows=settings.max_batch_rows, overlap_threads=settings.overlap_threads,
                    shared_prefill_rows=settings.shared_prefill_rows, pack_weights=settings.pack_weights,
-                   use_runner=settings.runner == "auto", gguf=gguf)
+                   use_runner=settings.runner == "auto", gguf=gguf,
+                   max_queued_distribution_bytes=int(settings.max_queued_distributions_mb * (1 << 20)))
 
     def info(self) -> ModelInfo:
         self._info.max_context = self.lm.max_context
@@ -281,9 +294,7 @@ class TargetEngine:
                     f"sampling verification needs one draft distribution per draft token: got "
                     f"{len(draft_distributions)} for {len(draft)} draft tokens"
                 )
-            # rows, not one [k, V] tensor: a block of megabytes would be mapped and faulted in page
-            # by page (see _verify)
-            q = [_dense_distribution(i, ids, probs, x, self.lm.vocab_size)
+            q = [_sparse_distribution(i, ids, probs, x, self.lm.vocab_size)
                  for i, ((ids, probs), x) in enumerate(zip(draft_distributions, draft, strict=True))]
         return VerifyJob(session_id, tokens, draft, sampling, q, return_target_probs, yield_cores, logprobs,
                          processed_logprobs, prepare_ns=time.perf_counter_ns() - t0)
@@ -411,7 +422,10 @@ class TargetEngine:
             # 19 ms of a 16-token verify with top-k and top-p when whole), as a plain step does it
             p = [sm.probabilities(row, sampling) for row in logits]
             if k:
-                num_accepted, next_token = sm.verify_sampling(p, job.q, draft, sampling.seed, first)
+                # dense rows for this step only, not one [k, V] tensor: a block of megabytes would
+                # be mapped and faulted in page by page
+                q = [_dense(ids, probs, logits.shape[-1]) for ids, probs in job.q[:len(draft)]]
+                num_accepted, next_token = sm.verify_sampling(p, q, draft, sampling.seed, first)
             else:
                 num_accepted, next_token = 0, sm.sample(p[0], sampling.seed, first, sm.STREAM_TARGET)
             next_prob = float(p[num_accepted][next_token])
@@ -464,8 +478,9 @@ class TargetEngine:
 _Q_SUM_TOLERANCE = 1e-3
 
 
-def _dense_distribution(index: int, ids: Sequence[int], probs: Sequence[float], token: int, vocab_size: int) -> torch.Tensor:
-    """A draft's sparse distribution as a dense [V] tensor, validated (raises InvalidArgument)."""
+def _sparse_distribution(index: int, ids: Sequence[int], probs: Sequence[float], token: int,
+                         vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft's sparse distribution as (ids int32, probs float32), validated (raises InvalidArgument)."""
     what = f"draft_distributions[{index}]"
     if len(ids) != len(probs):
         raise InvalidArgument(f"{what}: {len(ids)} token_ids but {len(probs)} probs")
@@ -484,8 +499,38 @@ def _dense_distribution(index: int, ids: Sequence[int], probs: Sequence[float], 
         raise InvalidArgument(f"{what} sums to {total:.6g}, not 1")
     if torch.unique(index_t).numel() != index_t.numel():
         raise InvalidArgument(f"{what} repeats a token id")
-    dense = torch.zeros(vocab_size, dtype=torch.float32)
-    dense[index_t] = probs_t
-    if dense[token] <= 0:
+    if float(probs_t[index_t == token].sum()) <= 0:
         raise InvalidArgument(f"{what} gives probability 0 to its own draft token {token}")
+    return index_t.to(torch.int32), probs_t
+
+
+def _dense(ids: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    dense = torch.zeros(vocab_size, dtype=torch.float32)
+    dense[ids.long()] = probs
     return dense
+
+
+class HeldBytes:
+    """Bytes of draft distributions held by the Verify calls waiting for or in compute, against a
+    limit: a call that would pass it gets RESOURCE_EXHAUSTED before it waits. Distributions are
+    sparse (the orchestrator's draft sends at most 512 entries a token: 128 KiB for 32 draft
+    tokens), but a client may send the whole vocabulary per token (13 MB for 32 on GPT-2)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def hold(self, n: int) -> Iterator[None]:
+        with self._lock:
+            if n and self.held + n > self.limit:
+                raise ResourceExhausted(
+                    f"the draft distributions of the verifications waiting hold {self.held} bytes; this one's {n} "
+                    f"would pass the limit of {self.limit} (max_queued_distributions_mb); retry")
+            self.held += n
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.held -= n

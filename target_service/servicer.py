@@ -41,7 +41,8 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServiceServicer):
             request.top_logprobs if request.return_logprobs else None,
             request.processed_logprobs,
         )
-        result = self._submit(job, context)
+        with self.engine.held_distributions.hold(job.distribution_bytes):
+            result = self._submit(job, context)
         STEPS.inc()
         VERIFIED.inc(len(job.draft))
         ACCEPTED.inc(result.num_accepted)

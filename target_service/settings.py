@@ -45,6 +45,11 @@ class TargetSettings(ModelServiceSettings):
         1, ge=0, description="Threads of a pass verifying while a draft computes on the same host (overlapped "
                              "speculation asks for it); 0: all of `threads`."
     )
+    max_queued_distributions_mb: float = Field(
+        64, gt=0, description="Draft distributions (sampling) the Verify calls waiting for or in compute may hold in "
+                              "all, in MiB; a call that would pass it gets RESOURCE_EXHAUSTED. The orchestrator's "
+                              "draft sends at most 512 entries a token (128 KiB for 32 draft tokens).",
+    )
     pack_weights: bool = Field(
         True, description="Pack the fp32 linear weights once, at load, for oneDNN: a verify of up to ~9 rows then costs "
                           "about one plain step, and a row computes the same whatever rows share its pass. The packed "

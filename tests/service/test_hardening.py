@@ -170,6 +170,63 @@ def test_target_rejects_bad_draft_distributions(engine, dists, message):
         engine.verify("d", PROMPT, [1], SAMPLING, dists)
 
 
+def _support(vocab: int, token: int, entries: int) -> tuple[list[int], list[float]]:
+    ids = [token, *[i for i in range(vocab) if i != token][:entries - 1]]
+    return ids, [1.0 / len(ids)] * len(ids)
+
+
+def test_a_waiting_verification_holds_its_draft_distributions_sparse(engine):
+    """A prepared (waiting) job used to hold k dense [V] rows: 32 draft tokens of GPT-2 were 6.4 MB
+    each, 0.8 GB for 128 waiting. Now it holds what was sent, and the verification is the same."""
+    vocab = engine.info().vocab_size
+    draft = [3, 5, 7, 9]
+    dists = [_support(vocab, x, 16) for x in draft]
+    job = engine.prepare("sparse", PROMPT, draft, SAMPLING, dists)
+    assert job.distribution_bytes == len(draft) * 16 * 8 < len(draft) * vocab * 4
+    # the same acceptance and next token as the same distributions sent over the whole vocabulary
+    got = engine.run(job)
+    padded = []
+    for ids, probs in dists:
+        row = dict(zip(ids, probs, strict=True))
+        padded.append((list(range(vocab)), [row.get(i, 0.0) for i in range(vocab)]))
+    dense = engine.verify("dense", PROMPT, draft, SAMPLING, padded)
+    assert (got.num_accepted, got.next_token) == (dense.num_accepted, dense.next_token)
+
+
+def test_verifications_past_the_distribution_limit_are_resource_exhausted(loaded):
+    """Draft distributions of the calls waiting count against max_queued_distributions_mb: a call
+    that would pass it is refused before it waits, and what a call held is given back."""
+    vocab = loaded.model.config.vocab_size
+    draft = [3, 5, 7, 9]
+    whole = [_support(vocab, x, vocab) for x in draft]  # the whole vocabulary per token
+    cost = len(draft) * vocab * 8
+    engine = TargetEngine(loaded, SessionStore(8, 1 << 30, 0), max_draft_tokens=8,
+                          max_queued_distribution_bytes=cost + cost // 2)
+    server, port, _ = build_target(engine, "127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TargetServiceStub(channel)
+
+            def verify(session: str) -> pb.VerifyResponse:
+                return stub.Verify(pb.VerifyRequest(
+                    session_id=session, tokens=PROMPT, draft_tokens=draft,
+                    sampling=pb.SamplingParams(temperature=1.0, seed=1),
+                    draft_distributions=[pb.SparseDistribution(token_ids=i, probs=p) for i, p in whole]), timeout=30)
+
+            assert verify("a").compute_ns > 0  # one fits, and gives back what it held
+            assert verify("b").compute_ns > 0
+            with engine.held_distributions.hold(cost // 2 + 1):  # another call's distributions, waiting
+                with pytest.raises(grpc.RpcError) as err:
+                    verify("c")
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "max_queued_distributions_mb" in err.value.details()
+            assert engine.held_distributions.held == 0
+            assert verify("d").compute_ns > 0
+    finally:
+        server.stop(0)
+
+
 def test_temperature_below_epsilon_is_greedy(engine):
     """temperature 1e-40 used to divide the logits into inf, and sampling failed on NaN."""
     assert sm.Sampling(temperature=1e-40).greedy and not sm.Sampling(temperature=1e-3).greedy
