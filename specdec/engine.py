@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -450,9 +450,9 @@ class CachedCausalLM:
     def _new_kv(self) -> SessionKV:
         return SessionKV(*self.geometry, self.dtype, self.device)
 
-    def session(self, session_id: str, issued: int | None = None) -> Session:
-        """The session with a KV cache (see SessionStore.get_or_create for ``issued``)."""
-        session = self.store.get_or_create(session_id, lambda: None, issued)
+    def session(self, session_id: str, issued: int | None = None, keep: Collection[str] = ()) -> Session:
+        """The session with a KV cache (see SessionStore.get_or_create for ``issued`` and ``keep``)."""
+        session = self.store.get_or_create(session_id, lambda: None, issued, keep)
         if session.cache is None:
             session.cache = self._new_kv()
         return session

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+class SessionsFull(Exception):
+    """Every session the store may hold is taken by the step asking: the call waits for the next."""
+
 # Released session ids remembered (oldest forgotten first), so that a call made before a Release
 # and still waiting (queued, or between two steps) cannot re-create the session after it.
 RELEASED_REMEMBERED = 4096
@@ -110,13 +114,19 @@ class SessionStore:
         with self._lock:
             return next(self._clock)
 
-    def get_or_create(self, session_id: str, factory: Callable[[], Any], issued: int | None = None) -> Session:
+    def get_or_create(self, session_id: str, factory: Callable[[], Any], issued: int | None = None,
+                      keep: Collection[str] = ()) -> Session:
         """Return the session (marked most recently used), creating it with ``factory()``.
 
         ``issued``: the :meth:`stamp` of the call asking. A session released after it is not
         created again (Cancelled): the caller sent the Release after this call, so it no longer
         wants the call's result, and the session would stay until its idle TTL. A call made after
         the Release creates the session afresh, as for any new id.
+
+        ``keep``: the sessions a step has already taken. Creating one when the store is full evicts
+        the least recently used session outside them; when every session is one of them, raises
+        :class:`SessionsFull` (the call waits for the next step), so a step never evicts a session
+        it is about to compute for (its cache would be filled outside the budget, then thrown away).
         """
         with self._lock:
             self._expire()
@@ -124,8 +134,8 @@ class SessionStore:
             if session is None:
                 if issued is not None and self._released.get(session_id, 0) > issued:
                     raise Cancelled(f"session {session_id!r} was released after this call was made")
-                if len(self._sessions) >= self.max_sessions:
-                    self._evict_lru(keep=())
+                if len(self._sessions) >= self.max_sessions and not self._evict_lru(keep=keep):
+                    raise SessionsFull(f"all {self.max_sessions} sessions are taken by this step")
                 session = Session(session_id=session_id, cache=factory())
                 self._sessions[session_id] = session
             else:

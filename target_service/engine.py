@@ -30,7 +30,7 @@ from specdec.grammar import Grammars
 from specdec.grammar import apply as apply_mask
 from specdec.models import LoadedModel, gguf_tokenizer_fingerprint, load_hf, load_tokenizer, tokenizer_fingerprint
 from specdec.scheduler import PENDING, CpuAccounted, StepResult, run_alone
-from specdec.sessions import SessionStore, common_prefix_len
+from specdec.sessions import SessionsFull, SessionStore, common_prefix_len
 
 if TYPE_CHECKING:
     from target_service.settings import TargetSettings
@@ -345,7 +345,11 @@ class TargetEngine:
             if job.session_id in sessions:
                 needs.append(None)
                 continue
-            session = sessions[job.session_id] = self.lm.session(job.session_id)
+            try:  # never evicting a session this step computes for: more than the store holds wait
+                session = sessions[job.session_id] = self.lm.session(job.session_id, keep=sessions)
+            except SessionsFull:
+                needs.append(None)
+                continue
             cached = min(common_prefix_len(session.tokens, job.tokens), len(job.tokens) - 1)
             needs.append((session, cached, len(job.tokens) + len(job.draft) - cached))
         waiting_prefill = any(n is not None and n[2] > VERIFY_SIZED_ROWS for n in needs)

@@ -9,7 +9,7 @@ from specdec.engine import CachedCausalLM, ForwardRequest, ModelInfo, eos_ids, t
 from specdec.errors import Cancelled
 from specdec.models import LoadedModel, load_hf, tokenizer_fingerprint
 from specdec.scheduler import StepResult
-from specdec.sessions import SessionStore
+from specdec.sessions import SessionsFull, SessionStore
 
 if TYPE_CHECKING:
     from draft_service.settings import DraftSettings
@@ -60,6 +60,7 @@ class TransformersProposer(Proposer):
         first step also computes the tokens its cache missed."""
         chosen, outcomes = batch_of_distinct_sessions(jobs)
         active, requests = [], []
+        taken: set[str] = set()
         with self.lm.lock:
             for i in chosen:
                 job = jobs[i]
@@ -67,10 +68,13 @@ class TransformersProposer(Proposer):
                     outcomes[i] = job.proposal()
                     continue
                 try:
-                    session = self.lm.session(job.session_id, job.issued)
+                    session = self.lm.session(job.session_id, job.issued, keep=taken)
                 except Cancelled as exc:  # released since the call was made
                     outcomes[i] = exc
                     continue
+                except SessionsFull:  # never evicting a session of this step: the next step
+                    continue
+                taken.add(job.session_id)
                 active.append(i)
                 requests.append(ForwardRequest(session, job.tokens + job.drafted, 1))
             # Greedy jobs share a pass; each sampling job runs alone, so a seeded request's draft

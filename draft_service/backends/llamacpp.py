@@ -37,7 +37,7 @@ from specdec.gguf_model import file_type_name
 from specdec.models import gguf_tokenizer_fingerprint
 from specdec.runtime import cpu_cores
 from specdec.scheduler import StepResult
-from specdec.sessions import Session, SessionStore, common_prefix_len
+from specdec.sessions import Session, SessionsFull, SessionStore, common_prefix_len
 
 if TYPE_CHECKING:
     from draft_service.settings import DraftSettings
@@ -176,6 +176,7 @@ class LlamaCppProposer(Proposer):
         used = 0
         with self.lock:
             pinned = {jobs[i].session_id for i in chosen}
+            taken: set[str] = set()
             for i in chosen:
                 job = jobs[i]
                 if not job.begin(self._info.max_context):
@@ -183,10 +184,13 @@ class LlamaCppProposer(Proposer):
                     continue
                 seq = job.tokens + job.drafted
                 try:
-                    session = self.store.get_or_create(job.session_id, lambda: None, job.issued)
+                    session = self.store.get_or_create(job.session_id, lambda: None, job.issued, taken)
                 except Cancelled as exc:  # released since the call was made
                     outcomes[i] = exc
                     continue
+                except SessionsFull:  # never evicting a session of this step: the next step
+                    continue
+                taken.add(job.session_id)
                 cached = min(common_prefix_len(session.tokens, seq), len(seq) - 1) if session.cache is not None else 0
                 new = len(seq) - cached
                 if used and used + new > self.n_batch:

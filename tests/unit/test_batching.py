@@ -359,3 +359,37 @@ def test_llamacpp_guesses_grow_while_taken_up_to_the_cap(cap):
     guesses = [r - 1 for r in rows[1:]]  # the first pass also re-decodes the prompt's last token
     assert max(guesses) == min(cap, 2 * FIRST_GUESS)  # a 16-token draft has room to double once
     assert FIRST_GUESS in guesses
+
+
+# ---- more sessions waiting than the store holds ---------------------------------------------------
+
+def test_a_step_never_evicts_a_session_it_computes_for(loaded):
+    """max_sessions 2 and four sessions waiting: a step computes for two (creating a third would
+    evict one of them, whose cache it was about to fill outside the budget); the other two wait for
+    the next step. Every answer is the one it gets alone."""
+    engine = TargetEngine(loaded, SessionStore(2, 1 << 30, 0), max_draft_tokens=8)
+    alone = [engine_of(loaded).verify(f"r{i}", p, [1, 2]) for i, p in enumerate(PROMPTS)]
+    jobs = [engine.prepare(f"s{i}", p, [1, 2]) for i, p in enumerate(PROMPTS)]
+    first = engine.step(jobs)
+    assert [o is PENDING for o in first.outcomes] == [False, False, True, True]
+    assert engine.store.evictions == 0 and len(engine.store) == 2
+    second = engine.step(jobs[2:])
+    assert all(o is not PENDING for o in second.outcomes)
+    assert engine.store.evictions == 2  # the finished sessions made room, once each
+    got = first.outcomes[:2] + second.outcomes
+    assert [(v.num_accepted, v.next_token) for v in got] == [(v.num_accepted, v.next_token) for v in alone]
+
+
+def test_a_draft_step_never_evicts_a_session_it_drafts_for(tiny_models):
+    from draft_service.backends.hf import TransformersProposer
+
+    loaded = load_hf(tiny_models["llama-draft"])
+    alone = [TransformersProposer(loaded, SessionStore(16, 1 << 30, 0), 8).propose(f"a{i}", p, 4, 0.0)
+             for i, p in enumerate(PROMPTS)]
+    proposer = TransformersProposer(loaded, SessionStore(2, 1 << 30, 0), 8)
+    jobs = [proposer.prepare(f"b{i}", p, 4, 0.0) for i, p in enumerate(PROMPTS)]
+    together, _ = _draft_all_in_steps(proposer, jobs)
+    assert [p.tokens for p in together] == [p.tokens for p in alone]
+    # two drafts at a time, each session made once: before, every step created the four in turn,
+    # each evicting another, and each draft re-prefilled its prompt at every token
+    assert proposer.store.evictions == 2
