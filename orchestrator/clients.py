@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Histogram
 
 from specdec.auth import ChannelSecurity, aio_channel
@@ -77,6 +78,14 @@ class Verified:
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
+class NotServing(grpc.aio.AioRpcError):
+    """A service that answers, but whose gRPC health says NOT_SERVING (UNAVAILABLE to callers)."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                         f"{service} health NOT_SERVING: a forward pass has run past its hang timeout")
+
+
 class _Client:
     service = ""
 
@@ -85,9 +94,21 @@ class _Client:
         self.timeout_s = timeout_s
         # plaintext or TLS, with the bearer token on every call when one is configured
         self.channel = aio_channel(address, security, _CHANNEL_OPTIONS)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
 
     async def info(self, timeout_s: float = 2.0) -> pb.InfoResponse:
-        return await self.stub.Info(pb.InfoRequest(), timeout=timeout_s)
+        """Info, read beside the service's gRPC health: a service whose health says NOT_SERVING (a
+        forward pass past its hang timeout) raises :class:`NotServing`, so readiness and routing
+        agree with what its probes see. A health call that fails says nothing (Info decides)."""
+        info, health = await asyncio.gather(
+            self.stub.Info(pb.InfoRequest(), timeout=timeout_s),
+            self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s),
+            return_exceptions=True)
+        if isinstance(info, BaseException):
+            raise info
+        if not isinstance(health, BaseException) and health.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            raise NotServing(self.service)
+        return info
 
     async def release(self, session_id: str) -> bool:
         # Release waits for the compute thread, behind batched steps that may include long

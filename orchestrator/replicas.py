@@ -33,7 +33,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from orchestrator.auth import grpc_security
-from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.clients import DraftClient, NotServing, TargetClient
 from orchestrator.settings import OrchestratorSettings
 from specdec.auth import ChannelSecurity
 
@@ -202,7 +202,8 @@ class Replicas(Generic[C]):
         for replica, result in zip(replicas, results, strict=True):
             if isinstance(result, BaseException):
                 code = result.code().name if isinstance(result, grpc.aio.AioRpcError) else type(result).__name__
-                self.mark_down(replica.address, f"probe failed: {code}")
+                self.mark_down(replica.address, result.details() if isinstance(result, NotServing)
+                               else f"probe failed: {code}")
             else:
                 self.mark_up(replica.address)
                 if wrong is not None:

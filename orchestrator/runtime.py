@@ -118,13 +118,19 @@ def _info_dict(info: Any) -> dict[str, Any]:
     return MessageToDict(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
+def _unreachable(exc: grpc.aio.AioRpcError) -> str:
+    if "NOT_SERVING" in (exc.details() or ""):  # every replica answers, none serves: a hung forward
+        return "not serving: gRPC health NOT_SERVING (a forward pass has run past its hang timeout)"
+    return f"unreachable: {exc.code().name}"
+
+
 async def connect(rt: Runtime) -> None:
     """Read both services' Info, load the tokenizer, check they are compatible; set readiness."""
     rt.checked_at = time.monotonic()
     try:
         target = await rt.target.info()
     except grpc.aio.AioRpcError as exc:
-        rt.not_ready = f"target service at {rt.settings.target_address} unreachable: {exc.code().name}"
+        rt.not_ready = f"target service at {rt.settings.target_address} {_unreachable(exc)}"
         return
     rt.target_info = _info_dict(target)
     try:
@@ -132,7 +138,7 @@ async def connect(rt: Runtime) -> None:
         rt.draft_info = _info_dict(draft)
     except grpc.aio.AioRpcError as exc:
         # requests still decode (target only, the same output): ready, but degraded
-        rt.degraded = f"draft service at {rt.settings.draft_address} unreachable: {exc.code().name}; decoding without drafts"
+        rt.degraded = f"draft service at {rt.settings.draft_address} {_unreachable(exc)}; decoding without drafts"
         rt.draft_info = {}
         draft = None
     if draft is not None and draft.tokenizer_fingerprint and draft.tokenizer_fingerprint != target.tokenizer_fingerprint:

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -84,6 +85,13 @@ def stack(tmp_path_factory):
 def health(port: int) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+
+
+def ready_reading(url: str) -> tuple[int, str]:
+    """The orchestrator's /ready: (status, reason), read after its one-second recheck interval."""
+    time.sleep(1.1)
+    r = httpx.get(f"{url}/ready", timeout=10)
+    return r.status_code, r.json().get("reason", "")
 
 
 def timed_info(kind: str, port: int) -> float:
@@ -214,28 +222,35 @@ def test_a_hung_forward_turns_health_not_serving_within_ten_seconds(stack):
                     break
                 time.sleep(0.1)
             info_while_hung_s = timed_info("target", port)
+            # the orchestrator's /ready agrees with the target's health (it read Info alone, and said 200)
+            ready_while_hung = ready_reading(stack["url"])
             assert not pending.done()  # the forward is still held
             hang_file.unlink()
             t_back = time.monotonic()
             verify_s = pending.result(timeout=60)
-            serving_again_s = None
-            while time.monotonic() - t_back < 10:
-                if health(port) == SERVING:
+            serving_again_s = ready_again_s = None
+            while time.monotonic() - t_back < 10 and ready_again_s is None:
+                if serving_again_s is None and health(port) == SERVING:
                     serving_again_s = time.monotonic() - t_back
-                    break
+                if serving_again_s is not None and ready_reading(stack["url"])[0] == 200:
+                    ready_again_s = time.monotonic() - t_back
                 time.sleep(0.1)
     finally:
         hang_file.unlink(missing_ok=True)
         hang_file.with_name(hang_file.name + ".entered").unlink(missing_ok=True)
     report = {"hang_timeout_s": HANG_TIMEOUT_S, "not_serving_after_s": not_serving_s,
               "info_while_hung_s": round(info_while_hung_s, 3), "held_verify_s": round(verify_s, 1),
-              "serving_again_after_s": serving_again_s, "readings": readings[-3:]}
+              "serving_again_after_s": serving_again_s, "readings": readings[-3:],
+              "ready_while_hung": ready_while_hung, "ready_again_after_s": ready_again_s}
     write_report("hung_forward", report)
     summarize("hung forward", [
         f"target forward held: health NOT_SERVING after {not_serving_s:.1f} s (hang timeout {HANG_TIMEOUT_S:.0f} s), "
-        f"Info meanwhile in {info_while_hung_s:.3f} s; released: SERVING again after {serving_again_s:.1f} s"
-        if not_serving_s is not None and serving_again_s is not None else f"{report}"])
+        f"Info meanwhile in {info_while_hung_s:.3f} s, /ready {ready_while_hung[0]}; released: SERVING again after "
+        f"{serving_again_s:.1f} s, /ready 200 after {ready_again_s:.1f} s"
+        if not_serving_s is not None and serving_again_s is not None and ready_again_s is not None else f"{report}"])
     assert not_serving_s is not None and HANG_TIMEOUT_S - 1 <= not_serving_s < 10, report
     assert info_while_hung_s < 2, report
     assert serving_again_s is not None and serving_again_s < 3, report
+    assert ready_while_hung[0] == 503 and "NOT_SERVING" in ready_while_hung[1], report
+    assert ready_again_s is not None and ready_again_s < 5, report
     assert stack["target"].alive()
