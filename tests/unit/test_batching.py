@@ -393,3 +393,28 @@ def test_a_draft_step_never_evicts_a_session_it_drafts_for(tiny_models):
     # two drafts at a time, each session made once: before, every step created the four in turn,
     # each evicting another, and each draft re-prefilled its prompt at every token
     assert proposer.store.evictions == 2
+
+
+@pytest.mark.embedded
+def test_llamacpp_sampling_drafts_count_against_the_decode_batch():
+    """Each sampling job is decoded on its own (llama.cpp's batched kernels move its logits), but
+    its rows count against the step's decode batch with everyone else's: five 30-token sampling
+    prompts with a 64-row batch take several steps, never one of 150 rows; each draft is the one
+    it gets alone."""
+    from draft_service.backends.llamacpp import LlamaCppProposer
+    from specdec.models import embedded_gguf_path
+
+    proposer = LlamaCppProposer(str(embedded_gguf_path()), 8, 64 << 20, 0, 16, n_batch=64)
+    s = sm.Sampling(temperature=0.9, seed=2)
+    prompts = [[(97 * i + 13 * j) % 5000 + 10 for j in range(30)] for i in range(5)]
+    alone = [proposer.propose(f"a{i}", p, 3, 0.0, s) for i, p in enumerate(prompts)]
+    jobs = [proposer.prepare(f"b{i}", p, 3, 0.0, s) for i, p in enumerate(prompts)]
+    outcomes, rows = [PENDING] * len(jobs), []
+    while any(o is PENDING for o in outcomes):
+        open_ = [i for i, o in enumerate(outcomes) if o is PENDING]
+        result = proposer.step([jobs[i] for i in open_])
+        rows.append(result.rows)
+        for i, o in zip(open_, result.outcomes, strict=True):
+            outcomes[i] = o
+    assert max(rows) <= 64, rows
+    assert [p.tokens for p in outcomes] == [p.tokens for p in alone]
