@@ -14,6 +14,10 @@ file, and prints the file's path.
 - **Cache.** ``<cache_dir>/gguf/<name>-<source digest>-<converter version>-<quant>.gguf``: the digest
   covers every file of the source folder, so new weights convert again and a second start, or a
   second service, reuses the file. A file lock makes services that start together convert once.
+  A file is reused only when its SHA-256 equals the one recorded beside it (``<file>.sha256``,
+  written before the file is renamed into place), else converted again: a truncated or corrupted
+  file, or another one put under its name, is never served. Hashing costs ~0.1 s a 100 MB file
+  (~1.5 GB/s with SHA-NI; the embedded model at q8_0, 145 MB, in 0.1 s warm, 0.4 s cold).
 - **Isolation.** Both steps run in child processes (the converter loads the whole model in torch;
   llama.cpp's quantiser prints a line per tensor on stderr): their output goes to a log file beside
   the result, and a progress line reaches the service log every few seconds.
@@ -33,6 +37,7 @@ import time
 from pathlib import Path
 
 from specdec.errors import NotFound, SpecdecError
+from specdec.integrity import file_sha256, mismatch, record_sha256
 from specdec.models import EMBEDDED, default_cache_dir, embedded_gguf_path, resolve_hf
 
 logger = logging.getLogger(__name__)
@@ -283,13 +288,16 @@ def ensure_gguf(model: str, quant: str = DEFAULT_QUANT, cache_dir: Path | None =
     folder = converter_dir()
     out = cache_path(cache_dir, source, folder_digest(source), converter_version(folder), quant)
     if out.is_file():
-        logger.info("GGUF of %s at %s: %s (cached)", model, quant, out)
-        return out
+        problem = mismatch(out)
+        if problem is None:
+            logger.info("GGUF of %s at %s: %s (cached)", model, quant, out)
+            return out
+        logger.warning("not reusing %s (%s): converting again", out, problem)
     from filelock import FileLock
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
-        if out.is_file():  # another process converted it while this one waited
+        if out.is_file() and mismatch(out) is None:  # another process converted it while this one waited
             logger.info("GGUF of %s at %s: %s (converted by another process)", model, quant, out)
             return out
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -299,6 +307,10 @@ def ensure_gguf(model: str, quant: str = DEFAULT_QUANT, cache_dir: Path | None =
         t0 = time.perf_counter()
         try:
             convert(source, tmp, quant, log)
+            # recorded from the file about to be renamed: the name never holds a file without its record
+            umask = os.umask(0)
+            os.umask(umask)
+            record_sha256(out, file_sha256(tmp), 0o644 & ~umask)  # readable by the services' user
             tmp.rename(out)
         finally:
             tmp.unlink(missing_ok=True)

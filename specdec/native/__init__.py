@@ -7,12 +7,14 @@ for what they compute and why a row's result never depends on the rows beside it
 
 The library is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into
 ``<cache>/native/`` (``SPECDEC_NATIVE_DIR`` overrides the folder), one file per source, flags and
-architecture, so a changed kernel builds anew and a stale build is never loaded. One
-build serves every x86-64 CPU (its vector code is cloned per instruction set and chosen at load
-time). Without a compiler, or when the build fails, :func:`kernels` returns None with the reason
-logged, and the runner keeps its torch ops (the same results up to rounding, a few ms a step
-slower). ``python -m specdec.native`` builds it ahead of time (the container image does) and
-prints where it is.
+architecture, so a changed kernel builds anew and a stale build is never loaded. A build is
+reused only when its SHA-256 equals the one recorded beside it at build time (``<file>.sha256``)
+and it and that record are owned by this user or root and writable by no one else; else it is
+built again (:func:`build`). One build serves every x86-64 CPU (its vector code is cloned per
+instruction set and chosen at load time). Without a compiler, or when the build fails,
+:func:`kernels` returns None with the reason logged, and the runner keeps its torch ops (the same
+results up to rounding, a few ms a step slower). ``python -m specdec.native`` builds it ahead of
+time (the container image does) and prints where it is.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -33,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 import torch  # noqa: F401  # loaded first: the library's OpenMP calls then run on torch's own libgomp pool
+
+from specdec.integrity import file_sha256, mismatch, record_sha256, sidecar
 
 logger = logging.getLogger(__name__)
 
@@ -133,17 +138,41 @@ def library_name(source: Path | None = None, flags: tuple[str, ...] = FLAGS) -> 
     return f"kernels-{platform.machine()}-{digest.hexdigest()[:16]}.so"
 
 
+def untrusted(path: Path) -> str | None:
+    """Why the existing build ``path`` must not be loaded, or None when it may: it and its sidecar
+    must be regular files owned by this user or root (the image builds as root) and writable by
+    no one else, and its SHA-256 must equal the recorded one (a truncated write, a flipped byte or
+    another library under this name fails)."""
+    record = sidecar(path)
+    for p in (path, record):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            return f"no {p.name}"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{p.name} is not a regular file"
+        if st.st_uid not in (os.geteuid(), 0):
+            return f"{p.name} is owned by uid {st.st_uid}, not this user or root"
+        if st.st_mode & 0o022:
+            return f"{p.name} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return mismatch(path)
+
+
 def build(folder: Path | None = None, source: Path | None = None, sanitize: bool = False) -> Path:
     """The compiled library's path, compiling it first when ``folder`` has no build of these sources
-    and flags yet (raises :class:`NativeError` with the compiler's message). ``source``: another
-    kernels.c (a benchmark comparing two versions; default :data:`SOURCE`). ``sanitize``: an
-    AddressSanitizer + UBSan build (``make test-native-asan``; load it with libasan preloaded)."""
+    and flags yet, or one that fails :func:`untrusted` (logged, and replaced by a fresh file;
+    raises :class:`NativeError` with the compiler's message). ``source``: another kernels.c (a
+    benchmark comparing two versions; default :data:`SOURCE`). ``sanitize``: an AddressSanitizer +
+    UBSan build (``make test-native-asan``; load it with libasan preloaded)."""
     source = source or SOURCE
     folder = folder or _folder()
     flags = FLAGS + SANITIZE_FLAGS if sanitize else FLAGS
     target = folder / library_name(source, flags)
-    if target.exists():
-        return target
+    if os.path.lexists(target):
+        reason = untrusted(target)
+        if reason is None:
+            return target
+        logger.warning("not loading %s (%s): building it again", target, reason)
     cc = compiler()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -168,7 +197,11 @@ def build(folder: Path | None = None, source: Path | None = None, sanitize: bool
         # root) must load for the others (the services' user) as the compiler's own output would
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o755 & ~umask)
+        mode = 0o755 & ~umask
+        os.chmod(tmp, mode)
+        # recorded from the file about to be renamed, before the rename: the name never holds a
+        # library without its record (builds are byte-identical, so racing builds agree)
+        record_sha256(target, file_sha256(Path(tmp)), mode & 0o644)
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeError(f"compiling {source.name} and its parts failed: {exc}") from exc
