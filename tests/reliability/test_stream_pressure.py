@@ -15,6 +15,8 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -68,6 +70,12 @@ def orchestrator(services, name: str, env: dict[str, str]):
     log_dir.mkdir()
     return start_orchestrator(services["ports"]["draft"], services["ports"]["target"], log_dir,
                               {"SPECDEC_ORCHESTRATOR_MAX_TOKENS_LIMIT": str(MAX_TOKENS), **env})
+
+
+def established(port: int) -> int:
+    """TCP connections established on local ``port`` (IPv4, from /proc/net/tcp)."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for line in lines if (f := line.split())[3] == "01" and int(f[1].split(":")[1], 16) == port)
 
 
 def requests_seen(url: str) -> int:
@@ -167,6 +175,7 @@ def test_sixty_four_unread_answers_are_dropped_and_the_orchestrator_stays_bounde
                 stalled = metric(url, "specdec_connections_stalled_total") - stalled_before
                 time.sleep(0.25)
             dropped_after_s = time.monotonic() - t0
+            held = established(urlsplit(url).port)  # the orchestrator's side of the silent connections
             rss_after = rss_kib(pid)
             fresh = post(url, "/v1/generate", {"prompt": PROMPT, "max_tokens": 8})  # the silent sockets still open
             reset = 0
@@ -187,16 +196,18 @@ def test_sixty_four_unread_answers_are_dropped_and_the_orchestrator_stays_bounde
         proc.stop()
     report = {"clients": CLIENTS, "answer_kib": round(answer_kib), "send_timeout_s": SEND_TIMEOUT_S,
               "dropped": stalled, "all_dropped_after_s": round(dropped_after_s, 1), "connections_ended": reset,
+              "connections_still_held": held,
               "orchestrator_rss_mib": {"before": round(rss_before / 1024, 1), "peak": round(peak_rss / 1024, 1),
                                        "after": round(rss_after / 1024, 1)},
               "fresh_request_status": fresh.status}
     write_report("unread_answers", report)
     summarize("64 unread non-streaming answers", [
         f"{CLIENTS} completions of {answer_kib:.0f} KiB each never read: {stalled:.0f} connections dropped, the last "
-        f"{dropped_after_s:.1f} s after they were sent (send timeout {SEND_TIMEOUT_S} s); {reset} clients saw theirs end",
+        f"{dropped_after_s:.1f} s after they were sent (send timeout {SEND_TIMEOUT_S} s); {held} still held by the "
+        f"orchestrator then; {reset} clients saw theirs end",
         f"orchestrator RSS {rss_before / 1024:.0f} MiB before, {peak_rss / 1024:.0f} MiB at the peak, "
         f"{rss_after / 1024:.0f} MiB after; a fresh request: {fresh.status}"])
-    assert stalled == CLIENTS and reset == CLIENTS, report
+    assert stalled == CLIENTS and held == 0 and reset == CLIENTS, report
     assert (rss_after - rss_before) / 1024 < RSS_GROWTH_LIMIT_MIB, report
     assert fresh.status == 200, report
 
