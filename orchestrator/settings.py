@@ -106,8 +106,8 @@ class OrchestratorSettings(BaseSettings):
     )
     response_send_timeout_s: float = Field(
         30.0, gt=0, description="A connection whose client takes no byte of a response for this long is closed and "
-                                "what waits for it dropped (a non-streaming answer nobody reads; streams end sooner "
-                                "by stream_send_timeout_s).",
+                                "what waits for it dropped (a non-streaming answer nobody reads; a stream is also "
+                                "cancelled by stream_send_timeout_s).",
     )
     header_timeout_s: float = Field(
         10.0, gt=0, description="A connection that has not sent a whole request head this long after it opened (or "
