@@ -78,12 +78,15 @@ class Verified:
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
-class NotServing(grpc.aio.AioRpcError):
-    """A service that answers, but whose gRPC health says NOT_SERVING (UNAVAILABLE to callers)."""
+NOT_SERVING = "gRPC health NOT_SERVING (a forward pass has run past its hang timeout)"
 
-    def __init__(self, service: str) -> None:
-        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                         f"{service} health NOT_SERVING: a forward pass has run past its hang timeout")
+
+class NotServing(grpc.aio.AioRpcError):
+    """A service that answers, but whose gRPC health says NOT_SERVING (UNAVAILABLE to callers;
+    its details, :data:`NOT_SERVING`, are the replica's reason for being down)."""
+
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), NOT_SERVING)
 
 
 class _Client:
@@ -107,7 +110,7 @@ class _Client:
         if isinstance(info, BaseException):
             raise info
         if not isinstance(health, BaseException) and health.status == health_pb2.HealthCheckResponse.NOT_SERVING:
-            raise NotServing(self.service)
+            raise NotServing()
         return info
 
     async def release(self, session_id: str) -> bool:

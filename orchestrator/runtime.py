@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from orchestrator.clients import NOT_SERVING
 from orchestrator.controller import CostModel, Topology, compute_site
 from orchestrator.loop import DraftHealth, ModelLimits
 from orchestrator.replicas import DraftPool, TargetPool
@@ -119,8 +120,9 @@ def _info_dict(info: Any) -> dict[str, Any]:
 
 
 def _unreachable(exc: grpc.aio.AioRpcError) -> str:
-    if "NOT_SERVING" in (exc.details() or ""):  # every replica answers, none serves: a hung forward
-        return "not serving: gRPC health NOT_SERVING (a forward pass has run past its hang timeout)"
+    """Why a service's pool gave no Info: its replicas' reasons are in the details."""
+    if NOT_SERVING in (exc.details() or ""):  # a replica answers, but its forward pass hangs
+        return f"not serving: {NOT_SERVING}"
     return f"unreachable: {exc.code().name}"
 
 

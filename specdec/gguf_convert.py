@@ -308,9 +308,7 @@ def ensure_gguf(model: str, quant: str = DEFAULT_QUANT, cache_dir: Path | None =
         try:
             convert(source, tmp, quant, log)
             # recorded from the file about to be renamed: the name never holds a file without its record
-            umask = os.umask(0)
-            os.umask(umask)
-            record_sha256(out, file_sha256(tmp), 0o644 & ~umask)  # readable by the services' user
+            record_sha256(out, file_sha256(tmp))
             tmp.rename(out)
         finally:
             tmp.unlink(missing_ok=True)

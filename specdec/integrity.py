@@ -24,14 +24,22 @@ def sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def record_sha256(path: Path, digest: str, mode: int) -> None:
-    """Write ``path``'s record holding ``digest`` (file ``mode``), beside it and renamed into
-    place: never half-written."""
+def process_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def record_sha256(path: Path, digest: str) -> None:
+    """Write ``path``'s record holding ``digest``, beside it and renamed into place (never
+    half-written), readable by everyone the umask allows: the image writes caches as root that
+    the services' user reads."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".sha256", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(f"{digest}  {path.name}\n")
-        os.chmod(tmp, mode)
+        os.chmod(tmp, 0o644 & ~process_umask())  # mkstemp's file is its owner's only
         os.replace(tmp, sidecar(path))
     finally:
         if os.path.exists(tmp):

@@ -191,11 +191,11 @@ def to_sparse(probs: torch.Tensor) -> tuple[list[int], list[float]]:
     return ids.tolist(), probs[ids].tolist()
 
 
-def to_dense(ids: list[int], probs: list[float], vocab_size: int) -> torch.Tensor:
+def to_dense(ids: Sequence[int] | torch.Tensor, probs: Sequence[float] | torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Inverse of :func:`to_sparse`: a [V] tensor."""
     out = torch.zeros(vocab_size, dtype=torch.float32)
-    if ids:
-        out[torch.tensor(ids, dtype=torch.long)] = torch.tensor(probs, dtype=torch.float32)
+    if len(ids):
+        out[torch.as_tensor(ids, dtype=torch.long)] = torch.as_tensor(probs, dtype=torch.float32)
     return out
 
 
@@ -215,14 +215,17 @@ def verify_greedy(target_argmax: list[int], draft: list[int]) -> tuple[int, int]
 
 
 def verify_sampling(
-    p: Sequence[torch.Tensor], q: Sequence[torch.Tensor], draft: list[int], seed: int, first_position: int
+    p: Sequence[torch.Tensor], q: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[float] | torch.Tensor]],
+    draft: list[int], seed: int, first_position: int
 ) -> tuple[int, int]:
     """Lossless rejection sampling.
 
     Args:
         p: target probabilities (after the sampling transform), k + 1 rows of [V] (a [k + 1, V]
             tensor or a list of rows).
-        q: draft probabilities the draft tokens were sampled from, k rows of [V].
+        q: the draft distributions the draft tokens were sampled from, k sparse rows (ids, probs),
+            as :func:`to_sparse` gives them and the draft sends them: only the row of a rejection
+            is made dense (for its residual).
         draft: draft token ids, [k].
         seed: the request's seed.
         first_position: absolute sequence position of draft[0].
@@ -230,11 +233,12 @@ def verify_sampling(
         (num_accepted, next_token).
     """
     for i, x in enumerate(draft):
-        px, qx = float(p[i][x]), float(q[i][x])
+        ids, probs = torch.as_tensor(q[i][0]), torch.as_tensor(q[i][1], dtype=torch.float32)
+        px, qx = float(p[i][x]), float(probs[ids == x].sum())
         # qx == 0 cannot happen for a token the draft sampled; treat it as a sure rejection.
         if qx > 0 and uniform(seed, first_position + i) < min(1.0, px / qx):
             continue
-        residual = torch.clamp(p[i] - q[i], min=0.0)
+        residual = torch.clamp(p[i] - to_dense(ids, probs, p[i].shape[-1]), min=0.0)
         total = float(residual.sum())
         # p == q up to rounding leaves no residual mass; p itself is then the right law.
         dist = residual / total if total > 1e-12 else p[i]

@@ -426,10 +426,7 @@ class TargetEngine:
             # 19 ms of a 16-token verify with top-k and top-p when whole), as a plain step does it
             p = [sm.probabilities(row, sampling) for row in logits]
             if k:
-                # dense rows for this step only, not one [k, V] tensor: a block of megabytes would
-                # be mapped and faulted in page by page
-                q = [_dense(ids, probs, logits.shape[-1]) for ids, probs in job.q[:len(draft)]]
-                num_accepted, next_token = sm.verify_sampling(p, q, draft, sampling.seed, first)
+                num_accepted, next_token = sm.verify_sampling(p, job.q, draft, sampling.seed, first)
             else:
                 num_accepted, next_token = 0, sm.sample(p[0], sampling.seed, first, sm.STREAM_TARGET)
             next_prob = float(p[num_accepted][next_token])
@@ -506,12 +503,6 @@ def _sparse_distribution(index: int, ids: Sequence[int], probs: Sequence[float],
     if float(probs_t[index_t == token].sum()) <= 0:
         raise InvalidArgument(f"{what} gives probability 0 to its own draft token {token}")
     return index_t.to(torch.int32), probs_t
-
-
-def _dense(ids: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    dense = torch.zeros(vocab_size, dtype=torch.float32)
-    dense[ids.long()] = probs
-    return dense
 
 
 class HeldBytes:

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch  # noqa: F401  # loaded first: the library's OpenMP calls then run on torch's own libgomp pool
 
-from specdec.integrity import file_sha256, mismatch, record_sha256, sidecar
+from specdec.integrity import file_sha256, mismatch, process_umask, record_sha256, sidecar
 
 logger = logging.getLogger(__name__)
 
@@ -195,13 +195,10 @@ def build(folder: Path | None = None, source: Path | None = None, sanitize: bool
             raise NativeError(f"{Path(cc).name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         # mkstemp's file is the owner's only: a library built by one user (the image's build, as
         # root) must load for the others (the services' user) as the compiler's own output would
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o755 & ~umask
-        os.chmod(tmp, mode)
+        os.chmod(tmp, 0o755 & ~process_umask())
         # recorded from the file about to be renamed, before the rename: the name never holds a
         # library without its record (builds are byte-identical, so racing builds agree)
-        record_sha256(target, file_sha256(Path(tmp)), mode & 0o644)
+        record_sha256(target, file_sha256(Path(tmp)))
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeError(f"compiling {source.name} and its parts failed: {exc}") from exc

@@ -87,11 +87,13 @@ def health(port: int) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
 
 
-def ready_reading(url: str) -> tuple[int, str]:
-    """The orchestrator's /ready: (status, reason), read after its one-second recheck interval."""
+def ready_reading(url: str) -> tuple[int, str, list[bool]]:
+    """The orchestrator's /ready: (status, reason, whether each target replica is up), read after
+    its one-second recheck interval."""
     time.sleep(1.1)
     r = httpx.get(f"{url}/ready", timeout=10)
-    return r.status_code, r.json().get("reason", "")
+    body = r.json()
+    return r.status_code, body.get("reason", ""), [replica["up"] for replica in body["replicas"]["target"]]
 
 
 def timed_info(kind: str, port: int) -> float:
@@ -251,6 +253,7 @@ def test_a_hung_forward_turns_health_not_serving_within_ten_seconds(stack):
     assert not_serving_s is not None and HANG_TIMEOUT_S - 1 <= not_serving_s < 10, report
     assert info_while_hung_s < 2, report
     assert serving_again_s is not None and serving_again_s < 3, report
-    assert ready_while_hung[0] == 503 and "NOT_SERVING" in ready_while_hung[1], report
+    # and the replica is marked down for routing, by the same reading
+    assert ready_while_hung[0] == 503 and "NOT_SERVING" in ready_while_hung[1] and ready_while_hung[2] == [False], report
     assert ready_again_s is not None and ready_again_s < 5, report
     assert stack["target"].alive()

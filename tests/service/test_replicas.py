@@ -424,3 +424,39 @@ async def test_a_runtime_builds_its_pools_from_the_settings():
     finally:
         await rt.draft.close()
         await rt.target.close()
+
+
+class _InfoOnly(pb_grpc.TargetServiceServicer):
+    async def Info(self, request, context):
+        return pb.InfoResponse(model_id="m")
+
+
+@pytest.mark.parametrize("health", [None, "SERVING", "NOT_SERVING"])
+async def test_info_reads_the_services_health_beside_it(health):
+    """A service whose gRPC health says NOT_SERVING (its forward pass hangs) answers Info, but the
+    client's info() raises NotServing, so readiness and routing take it as down; a service with no
+    health service (or one whose Check fails) is judged by Info alone. Real servers on real ports."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1.health import HealthServicer
+
+    from orchestrator.clients import NOT_SERVING, NotServing, TargetClient
+
+    server = grpc.aio.server()
+    pb_grpc.add_TargetServiceServicer_to_server(_InfoOnly(), server)
+    if health is not None:
+        servicer = HealthServicer()
+        servicer.set("", health_pb2.HealthCheckResponse.ServingStatus.Value(health))
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = TargetClient(f"127.0.0.1:{port}", 5.0)
+    try:
+        if health == "NOT_SERVING":
+            with pytest.raises(NotServing) as err:
+                await client.info()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and err.value.details() == NOT_SERVING
+        else:
+            assert (await client.info()).model_id == "m"
+    finally:
+        await client.close()
+        await server.stop(0)

@@ -95,17 +95,22 @@ def test_sampling_validation(kwargs):
         sm.Sampling(**kwargs).validate()
 
 
+def _sparse(rows) -> list[tuple[list[int], list[float]]]:
+    """Dense draft rows as the draft sends them (verify_sampling's q)."""
+    return [sm.to_sparse(row) for row in rows]
+
+
 def test_rejection_accepts_when_draft_equals_target():
     p = torch.softmax(torch.randn(4, 8), dim=-1)
     draft = [int(p[i].argmax()) for i in range(3)]
-    n, _ = sm.verify_sampling(p, p[:3].clone(), draft, seed=1, first_position=10)
+    n, _ = sm.verify_sampling(p, _sparse(p[:3]), draft, seed=1, first_position=10)
     assert n == 3  # p/q == 1: always accepted
 
 
 def test_rejection_rejects_token_target_never_emits():
     p = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
     q = torch.tensor([[1.0, 0.0, 0.0]])
-    n, nxt = sm.verify_sampling(p, q, [0], seed=0, first_position=0)
+    n, nxt = sm.verify_sampling(p, _sparse(q), [0], seed=0, first_position=0)
     assert (n, nxt) == (0, 1)  # p(0) == 0: rejected, residual max(0, p - q) is all on token 1
 
 
@@ -113,7 +118,7 @@ def test_seeded_sampling_is_deterministic():
     p = torch.softmax(torch.randn(3, 50), dim=-1)
     q = torch.softmax(torch.randn(2, 50), dim=-1)
     draft = [int(torch.multinomial(q[i], 1)) for i in range(2)]
-    runs = {sm.verify_sampling(p, q, draft, seed=42, first_position=7) for _ in range(5)}
+    runs = {sm.verify_sampling(p, _sparse(q), draft, seed=42, first_position=7) for _ in range(5)}
     assert len(runs) == 1
     draws = {tuple(sm.sample(p[0], s, 3, sm.STREAM_TARGET) for s in range(20))}
     assert len({d for run in draws for d in run}) > 1  # different seeds differ
@@ -136,7 +141,7 @@ def test_speculative_sampling_matches_target_distribution():
     counts = torch.zeros(vocab)
     for seed in range(n_draws):
         x = sm.sample(q[0], seed, 0, sm.STREAM_DRAFT)
-        n, nxt = sm.verify_sampling(p, q, [x], seed=seed, first_position=0)
+        n, nxt = sm.verify_sampling(p, _sparse(q), [x], seed=seed, first_position=0)
         counts[x if n == 1 else nxt] += 1
     expected = p[0] * n_draws
     chi2 = float(((counts - expected) ** 2 / expected).sum())
@@ -182,7 +187,7 @@ def test_sampling_against_a_truncated_proposal_keeps_the_targets_law():
     trials = 6000
     for seed in range(trials):
         x = sm.sample(q, seed, 0, sm.STREAM_DRAFT)
-        n, nxt = sm.verify_sampling(p, [q], [x], seed=seed, first_position=0)
+        n, nxt = sm.verify_sampling(p, _sparse([q]), [x], seed=seed, first_position=0)
         counts[x if n == 1 else nxt] += 1
     # the first token's law is p[0] (chi-square-like bound: 5 standard deviations a token)
     expected = p[0] * trials
