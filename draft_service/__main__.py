@@ -6,9 +6,9 @@ import logging
 import time
 
 from draft_service.settings import DraftSettings
+from specdec.engine.compute import ComputeThread
 from specdec.errors import SpecdecError
-from specdec.runtime import bound_openmp_spin, configure_torch, start_metrics
-from specdec.scheduler import ComputeThread
+from specdec.process import bound_openmp_spin, configure_torch, start_metrics
 from specdec.server import configure_logging, serve_forever
 
 logger = logging.getLogger("draft_service")

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec import sampling as sm
-from specdec.engine import ModelInfo, validate_context, validate_session_id, validate_tokens
+from specdec.engine.compute import PENDING, CpuAccounted, StepResult, run_alone
+from specdec.engine.requests import validate_context, validate_session_id, validate_tokens
+from specdec.engine.sessions import SessionStore
 from specdec.errors import InvalidArgument
-from specdec.scheduler import PENDING, CpuAccounted, StepResult, run_alone
-from specdec.sessions import SessionStore
+from specdec.params import ModelInfo
 
 logger = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ import grpc
 from prometheus_client import Counter
 
 from draft_service.proposer import Proposer
-from specdec.convert import sampling_from_pb
-from specdec.scheduler import ComputeThread
+from specdec.engine.compute import ComputeThread
 from specdec.server import ModelServicer, rpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from specdec.wire import sampling_from_pb
 
 SERVICE = "draft"
 PROPOSED = Counter("specdec_draft_proposed_tokens_total", "Draft tokens proposed.")

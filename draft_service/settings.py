@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from specdec.gguf_convert import DEFAULT_QUANT, QUANTS
+from specdec.model.gguf_convert import DEFAULT_QUANT, QUANTS
 from specdec.models import EMBEDDED
 from specdec.settings import ModelServiceSettings
 
@@ -28,7 +28,7 @@ class DraftSettings(ModelServiceSettings):
         description="Hugging Face id, local checkpoint folder, .gguf file (llamacpp), 'embedded', or 'target' (llamacpp: "
                     "the target model itself, converted: self-speculation with no second model). With llamacpp a "
                     "model that is not a .gguf file is converted once with llama.cpp's converter and cached under "
-                    "cache_dir/gguf (`python -m specdec.gguf_convert MODEL` does it ahead of time).",
+                    "cache_dir/gguf (`python -m specdec.model.gguf_convert MODEL` does it ahead of time).",
     )
     quant: Literal[QUANTS] = Field(  # type: ignore[valid-type]
         DEFAULT_QUANT,

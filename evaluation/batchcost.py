@@ -13,9 +13,9 @@ The services set the same thread counts (target: all cores, with the bounded Ope
 draft: llama.cpp on one thread, as when it yields cores to a busy target), so the figures match
 what they pay per step under load. ``--kernels runner runner-ops packed onednn mkl`` times the
 target's passes each way the engine can run them, interleaved: specdec's own forward
-(``specdec.runner``: the service's default for Llama and GPT-2) on specdec.native's kernels, or
+(``specdec.model.runner``: the service's default for Llama and GPT-2) on specdec.native's kernels, or
 on oneDNN's packed linears and torch ops (a second copy of the model), and transformers' forward with
-each linear kernel of ``specdec.engine._FastLinears``: oneDNN on the packed weights, oneDNN on the
+each linear kernel of ``specdec.model.linears.FastLinears``: oneDNN on the packed weights, oneDNN on the
 row-major weights from 5 rows with MKL below, and MKL alone.
 
 ``--target random:gpt2`` (or ``random:distilgpt2``) prices a model no hub is needed for: the real
@@ -39,7 +39,7 @@ from evaluation.client import write_results
 
 logger = logging.getLogger("evaluation.batchcost")
 
-KERNELS = ("packed", "onednn", "mkl")  # specdec.engine.KERNELS but native (that module imports torch)
+KERNELS = ("packed", "onednn", "mkl")  # specdec.model.linears.KERNELS but native (that module imports torch)
 # how a target pass can run: specdec's runner on specdec.native, the runner on oneDNN's packed
 # linears and torch ops (as without a C compiler), or transformers' forward on each oneDNN/MKL kernel
 VARIANTS = ("runner", "runner-ops", *KERNELS)
@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "them), runner-ops (the same forward on oneDNN's packed linears and torch ops, as without a C "
                         "compiler), or transformers' forward with the linear kernel packed "
                         "(oneDNN on the packed weights), onednn (oneDNN on the row-major weights for passes of "
-                        "specdec.engine.ONEDNN_MIN_ROWS rows or more, MKL below) or mkl (MKL at any row count); "
+                        "specdec.model.linears.ONEDNN_MIN_ROWS rows or more, MKL below) or mkl (MKL at any row count); "
                         "default runner")
     p.add_argument("--native-against", type=Path, default=None, metavar="KERNELS_C",
                    help="another version of specdec/native/kernels.c (one whose linears read the same packed layout, "
@@ -148,11 +148,11 @@ def resolve_target(target: str) -> str:
 
 def target_costs(args: argparse.Namespace) -> tuple[dict[tuple[str, int, int], float],
                                                    dict[tuple[str, int, int], list[float]]]:
-    from specdec.engine import fast_linears
+    from specdec.engine.sessions import SessionStore
+    from specdec.model.linears import fast_linears
     from specdec.models import LoadedModel, load_hf
-    from specdec.sessions import SessionStore
     from specdec.settings import default_cache_dir
-    from target_service.engine import GGUFModel, TargetEngine, target_gguf
+    from target_service.verify import GGUFModel, TargetEngine, target_gguf
 
     target = resolve_target(args.target)
     path = target_gguf(target, args.target_quant, default_cache_dir())
@@ -254,7 +254,7 @@ def draft_costs(args: argparse.Namespace) -> dict[int, float]:
     if args.draft == "none":
         return {}
     from draft_service.backends.llamacpp import LlamaCppProposer
-    from specdec.gguf_convert import draft_gguf
+    from specdec.model.gguf_convert import draft_gguf
 
     # one thread: what a draft step costs while the target computes on the same cores (under load)
     gguf = draft_gguf(args.draft, resolve_target(args.target))
@@ -307,7 +307,7 @@ def render(target: dict[tuple[str, int, int], float], draft: dict[int, float], a
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out, command = report.start_run("evaluation.batchcost", argv, args.out, "batchcost-")
-    from specdec.runtime import configure_torch
+    from specdec.process import configure_torch
 
     configure_torch(0)  # as the target service: all cores, bounded spin
     target, times = target_costs(args)

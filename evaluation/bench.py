@@ -46,7 +46,7 @@ from evaluation import report
 from evaluation.client import first_difference, generate_body, write_results
 from evaluation.prompts import CATEGORIES, SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import summarise
-from specdec.gguf_convert import QUANTS
+from specdec.model.gguf_convert import QUANTS
 
 logger = logging.getLogger("evaluation.bench")
 

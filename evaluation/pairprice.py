@@ -10,7 +10,7 @@ settings for a lone stream (all cores to whichever model computes, as when they 
 - the target: a plain step and verify passes of 2 … ``--max-k`` + 1 rows (specdec's runner);
 - each draft, ``MODEL@BACKEND[:QUANT]``: milliseconds per drafted token, from one-token steps
   after ``--context`` tokens (llama.cpp: the model converted to GGUF at QUANT by
-  ``specdec.gguf_convert``, as the draft service does; transformers: ``TransformersProposer``).
+  ``specdec.model.gguf_convert``, as the draft service does; transformers: ``TransformersProposer``).
 
 With ``--target-quant T`` the target is its GGUF conversion at T (``SPECDEC_TARGET_QUANT``'s
 path: the file computed in its own format on specdec's kernels). ``--llama-bench`` adds llama.cpp's
@@ -66,7 +66,7 @@ def parse_draft(spec: str) -> DraftSpec:
     if backend == "transformers" and quant:
         raise argparse.ArgumentTypeError(f"{spec!r}: the transformers backend takes no quantisation")
     if backend in ("native", "llamacpp"):
-        from specdec.gguf_convert import DEFAULT_QUANT, QUANTS
+        from specdec.model.gguf_convert import DEFAULT_QUANT, QUANTS
 
         quant = quant or DEFAULT_QUANT
         if quant not in QUANTS:
@@ -130,21 +130,21 @@ def make_proposer(spec: DraftSpec, target: str, max_draft: int):
 
     if spec.backend == "native":
         from draft_service.backends.native import NativeProposer
-        from specdec.gguf_convert import draft_gguf
-        from specdec.sessions import SessionStore
+        from specdec.engine.sessions import SessionStore
+        from specdec.model.gguf_convert import draft_gguf
 
         return NativeProposer(draft_gguf(spec.model, target, spec.quant, default_cache_dir()),
                               SessionStore(2, 1 << 30, 0), max_draft)
     if spec.backend == "llamacpp":
         from draft_service.backends.llamacpp import LlamaCppProposer
-        from specdec.gguf_convert import draft_gguf
+        from specdec.model.gguf_convert import draft_gguf
 
         # lookup guesses off: they speed up text that repeats, which random ids do not
         return LlamaCppProposer(str(draft_gguf(spec.model, target, spec.quant, default_cache_dir())), 2, 1 << 30, 0,
                                 max_draft, lookup_ngram=0)
     from draft_service.backends.hf import TransformersProposer
+    from specdec.engine.sessions import SessionStore
     from specdec.models import load_hf
-    from specdec.sessions import SessionStore
 
     model = target if spec.model == "target" else spec.model
     return TransformersProposer(load_hf(model, "float32", "cpu", default_cache_dir()), SessionStore(2, 1 << 30, 0),
@@ -238,9 +238,9 @@ def measure_llama(args: argparse.Namespace, target: str) -> dict[str, Any]:
 
     from evaluation.batchcost import resolve_target
     from evaluation.peer import build_llama, check_llama_dir
-    from specdec.gguf_convert import draft_gguf
+    from specdec.model.gguf_convert import draft_gguf
     from specdec.settings import default_cache_dir
-    from target_service.engine import target_gguf
+    from target_service.verify import target_gguf
 
     folder = build_llama() if args.llama_bench == "build" else Path(args.llama_bench)
     check_llama_dir(folder)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out, command = report.start_run("evaluation.pairprice", argv, args.out, "pairprice-")
     from evaluation.batchcost import resolve_target
-    from specdec.runtime import configure_torch
+    from specdec.process import configure_torch
 
     configure_torch(0)  # as the target service: all cores, bounded spin
     target = resolve_target(args.target)

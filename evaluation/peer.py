@@ -58,7 +58,7 @@ from evaluation.client import first_difference, write_results
 from evaluation.procs import ROOT, Service, Stack, free_port, wait_ready
 from evaluation.prompts import CATEGORIES, SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import paired_speedup, spread, tokens_per_second
-from specdec.gguf_convert import QUANTS
+from specdec.model.gguf_convert import QUANTS
 
 logger = logging.getLogger(__name__)
 
@@ -821,7 +821,7 @@ class Inputs:
 def run(args: argparse.Namespace, out: Path, command: str) -> int:
     from evaluation.hf import encode
     from specdec.errors import NotFound, SpecdecError
-    from specdec.gguf_convert import ensure_gguf
+    from specdec.model.gguf_convert import ensure_gguf
     from specdec.models import default_cache_dir, embedded_gguf_path, load_tokenizer, resolve_hf
 
     started = datetime.now().isoformat(timespec="seconds")

@@ -108,11 +108,11 @@ def collect(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[int, f
     from draft_service.backends.llamacpp import LlamaCppProposer
     from evaluation.hf import encode
     from evaluation.prompts import load_suite, select
-    from specdec.gguf_convert import draft_gguf
+    from specdec.engine.sessions import SessionStore
+    from specdec.model.gguf_convert import draft_gguf
     from specdec.models import load_hf
-    from specdec.sessions import SessionStore
     from specdec.settings import default_cache_dir
-    from target_service.engine import TargetEngine
+    from target_service.verify import TargetEngine
 
     k_max = max(args.ks)
     loaded = load_hf(args.target, "float32", "cpu", default_cache_dir())
@@ -152,7 +152,7 @@ def collect(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[int, f
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out, command = report.start_run("evaluation.replay", argv, args.out, "replay-")
-    from specdec.runtime import configure_torch
+    from specdec.process import configure_torch
 
     configure_torch(0)  # as the target service: all cores, bounded spin
     data, pass_points, draft_token_ms = collect(args)

@@ -13,11 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Histogram
 
 from specdec.auth import ChannelSecurity, aio_channel
-from specdec.convert import sampling_to_pb
 from specdec.params import Sampling
 from specdec.server import MAX_MESSAGE_BYTES
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from specdec.wire import sampling_to_pb
 
 RPC_CLIENT_LATENCY = Histogram(
     "specdec_rpc_client_duration_seconds",

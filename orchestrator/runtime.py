@@ -18,7 +18,7 @@ from orchestrator.controller import CostModel, Topology, compute_site
 from orchestrator.loop import DraftHealth, ModelLimits
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.settings import OrchestratorSettings
-from specdec import runtime
+from specdec import process
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ async def connect(rt: Runtime) -> None:
     # one host do not take each other's compute)
     target_site = compute_site(target.host_id, target.device, target.cpu_cores)
     draft_site = compute_site(draft.host_id, draft.device, draft.cpu_cores) if draft is not None else None
-    topology = Topology(target_site, draft_site, (runtime.host_id(), runtime.cpu_cores()))
+    topology = Topology(target_site, draft_site, (process.host_id(), process.cpu_cores()))
     rt.limits = ModelLimits(
         target_max_context=target.max_context,
         target_max_draft=target.max_draft_tokens,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build and install llama-cpp-python for this CPU into the given Python (default .venv/bin/python),
 # and keep llama.cpp's model converter from the same source (convert_hf_to_gguf.py, conversion/,
-# gguf-py/) under <prefix>/share/specdec/llama.cpp: specdec.gguf_convert runs it to make a GGUF
+# gguf-py/) under <prefix>/share/specdec/llama.cpp: specdec.model.gguf_convert runs it to make a GGUF
 # draft from any Hugging Face model.
 #
 # The default build (GGML_NATIVE) segfaults on its first eval on these machines: its AMX code

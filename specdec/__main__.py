@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from specdec.gguf_convert import QUANTS
+from specdec.model.gguf_convert import QUANTS
 
 
 def parser() -> argparse.ArgumentParser:

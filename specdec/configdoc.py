@@ -55,7 +55,7 @@ OTHER_VARIABLES: tuple[tuple[str, str], ...] = (
                                         "`…_TLS_KEY_FILE` for mutual TLS, `…_TLS_SERVER_NAME` for the name in the "
                                         "service's certificate (docs/security.md)."),
     ("SPECDEC_LLAMACPP_CONVERTER", "Folder of llama.cpp's `convert_hf_to_gguf.py` (with `conversion/` and `gguf-py/`) "
-                                   "that `specdec.gguf_convert` runs; default `<venv>/share/specdec/llama.cpp`, "
+                                   "that `specdec.model.gguf_convert` runs; default `<venv>/share/specdec/llama.cpp`, "
                                    "where `scripts/install_llamacpp.sh` keeps the one of the llama.cpp it builds."),
     ("SPECDEC_NATIVE", "`0` keeps specdec's runner on torch ops instead of its native C kernels (`specdec.native`: "
                        "norms, rotary, attention and the SwiGLU gate of Llama and GPT-2 models; ~2-4 ms a step "

@@ -141,7 +141,7 @@ class GrammarState:
         """Make the matcher have consumed exactly ``output``: roll back to the common prefix, then
         consume the rest. False when the grammar refuses ``output`` (the matcher then holds the
         longest prefix it accepts)."""
-        from specdec.sessions import common_prefix_len
+        from specdec.engine.sessions import common_prefix_len
 
         common = common_prefix_len(self.consumed, output)
         self.rollback(len(self.consumed) - common)

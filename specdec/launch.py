@@ -32,7 +32,7 @@ PROCESSES: dict[str, str] = {
 PAIRS: dict[str, dict[str, str]] = {
     "embedded": {"SPECDEC_TARGET_MODEL": "embedded", "SPECDEC_DRAFT_MODEL": "embedded",
                  "SPECDEC_DRAFT_BACKEND": "auto"},
-    # DistilGPT-2 converted to GGUF (Q8_0) on the draft's first start (specdec.gguf_convert)
+    # DistilGPT-2 converted to GGUF (Q8_0) on the draft's first start (specdec.model.gguf_convert)
     "gpt2": {"SPECDEC_TARGET_MODEL": "gpt2", "SPECDEC_DRAFT_MODEL": "distilgpt2",
              "SPECDEC_DRAFT_BACKEND": "auto", "SPECDEC_DRAFT_QUANT": "q8_0"},
 }

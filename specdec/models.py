@@ -178,9 +178,9 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def gguf_tokenizer_fingerprint(gguf: Path | Any) -> tuple[str, int, list[int]]:
     """(fingerprint, vocab size, eos ids) of a GGUF file's embedded tokenizer (a path, or a parsed
-    :class:`specdec.gguf_file.GGUFFile`), comparable with :func:`tokenizer_fingerprint` of the same
+    :class:`specdec.model.gguf_file.GGUFFile`), comparable with :func:`tokenizer_fingerprint` of the same
     tokenizer loaded by transformers."""
-    from specdec.gguf_file import GGUFFile
+    from specdec.model.gguf_file import GGUFFile
 
     if not isinstance(gguf, GGUFFile):
         gguf = GGUFFile(gguf)

@@ -26,7 +26,7 @@ depends on where the last draft stopped would pick k from the very draws it then
 round in the key every round's draft draws are fresh, independent of everything seen before it.
 
 Everything here runs on host tensors, whatever device computed the logits: the engines copy the
-kept rows of a pass to the host once (specdec.engine.HOST), so the seeded CPU generators, greedy
+kept rows of a pass to the host once (specdec.engine.executor.HOST), so the seeded CPU generators, greedy
 acceptance and every per-token read cost no device sync, and the draft's q meets the target's p
 where both are.
 """

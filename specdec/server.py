@@ -19,10 +19,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specdec.convert import info_to_pb
+from specdec.engine.compute import ComputeThread
 from specdec.errors import SpecdecError
-from specdec.scheduler import ComputeThread
 from specdec.v1 import specdec_pb2 as pb
+from specdec.wire import info_to_pb
 
 logger = logging.getLogger(__name__)
 

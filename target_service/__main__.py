@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
-from specdec.runtime import configure_torch, start_metrics
-from specdec.scheduler import ComputeThread
+from specdec.engine.compute import ComputeThread
+from specdec.process import configure_torch, start_metrics
 from specdec.server import configure_logging, serve_forever
 from target_service.settings import TargetSettings
 
@@ -18,8 +18,8 @@ def main() -> None:
     configure_logging(settings.log_level)
     configure_torch(settings.threads)
     from specdec.auth import server_security
-    from target_service.engine import TargetEngine
     from target_service.servicer import build_server
+    from target_service.verify import TargetEngine
 
     security = server_security(settings)  # before the slow model load: a bad secret path fails at once
     t0 = time.perf_counter()

@@ -7,12 +7,12 @@ import logging
 import grpc
 from prometheus_client import Counter
 
-from specdec.convert import sampling_from_pb
-from specdec.scheduler import ComputeThread
+from specdec.engine.compute import ComputeThread
 from specdec.server import ModelServicer, rpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from target_service.engine import TargetEngine
+from specdec.wire import sampling_from_pb
+from target_service.verify import TargetEngine
 
 logger = logging.getLogger(__name__)
 

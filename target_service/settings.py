@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from specdec.gguf_convert import QUANTS
+from specdec.model.gguf_convert import QUANTS
 from specdec.settings import ModelServiceSettings
 
 

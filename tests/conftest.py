@@ -57,7 +57,7 @@ def tiny_ggufs(tmp_path_factory) -> dict[str, Path]:
     """{arch}-{type}: tiny Llama and GPT-2 checkpoints (hidden 256: whole K-quant super-blocks)
     converted by llama.cpp's converter and quantised to every type of GGUF_TARGET_TYPES (GPT-2:
     q8_0 and q4_k_m)."""
-    from specdec.gguf_convert import ensure_gguf
+    from specdec.model.gguf_convert import ensure_gguf
     from tests.support import make_bpe_model
 
     root, cache = tmp_path_factory.mktemp("gguf-targets"), tmp_path_factory.mktemp("gguf-target-cache")
@@ -72,10 +72,10 @@ def tiny_ggufs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def tiny_target_server(tiny_models):
     """(port, model path): a target service on the tiny GPT-2, a real gRPC server in this process."""
+    from specdec.engine.sessions import SessionStore
     from specdec.models import load_hf
-    from specdec.sessions import SessionStore
-    from target_service.engine import TargetEngine
     from target_service.servicer import build_server
+    from target_service.verify import TargetEngine
 
     engine = TargetEngine(load_hf(tiny_models["gpt2-target"]), SessionStore(8, 1 << 30, 0), max_draft_tokens=8)
     server, port, _ = build_server(engine, "127.0.0.1:0")
@@ -99,9 +99,9 @@ def bpe_engines(tmp_path_factory):
     """(target engine, draft proposer) in this process on two tiny random Llamas with the embedded
     model's BPE tokenizer (which grammars need: specdec.grammar)."""
     from draft_service.backends.hf import TransformersProposer
+    from specdec.engine.sessions import SessionStore
     from specdec.models import load_hf
-    from specdec.sessions import SessionStore
-    from target_service.engine import TargetEngine
+    from target_service.verify import TargetEngine
     from tests.support import make_bpe_model
 
     root = tmp_path_factory.mktemp("bpe-engines")

@@ -27,7 +27,7 @@ from evaluation.procs import Service, answered, free_port, wait_grpc
 from specdec.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from target_service.engine import TargetEngine
+    from target_service.verify import TargetEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +93,7 @@ PROMPTS = [
 
 
 # Tiny random models with the embedded model's byte-level BPE tokenizer: what llama.cpp's converter
-# turns into GGUF drafts (specdec.gguf_convert) for the native and llamacpp draft backends.
+# turns into GGUF drafts (specdec.model.gguf_convert) for the native and llamacpp draft backends.
 BPE_VOCAB = 49152  # the embedded tokenizer's
 
 

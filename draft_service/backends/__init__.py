@@ -53,9 +53,9 @@ def native_unavailable(settings: DraftSettings) -> str | None:
     Q8_0; the portable kernel is correct but far slower than llama.cpp). On a Zen 3 with AVX2 only
     the embedded Q4_1 draft cost 7.2 ms a token native against 9.3 through llama.cpp
     (docs/performance.md, "A draft on specdec's kernels")."""
-    from specdec.gguf_convert import draft_gguf
-    from specdec.gguf_file import GGUFFile
-    from specdec.gguf_model import FLOAT_TYPES, file_type, unsupported
+    from specdec.model.gguf_convert import draft_gguf
+    from specdec.model.gguf_file import GGUFFile
+    from specdec.model.gguf_model import FLOAT_TYPES, file_type, unsupported
     from specdec.native import QUANT_FORMATS, kernels
 
     if settings.gpu_layers:
@@ -92,7 +92,7 @@ def create_proposer(settings: DraftSettings, backend: str | None = None) -> Prop
     """The proposer of ``backend`` (default: ``settings.backend`` resolved, see
     :func:`resolve_backend`). When ``auto`` chose native and the file still does not load (a
     tensor the runner has no place for, such as attention biases), llama.cpp serves it instead."""
-    from specdec.gguf_model import UnsupportedModel
+    from specdec.model.gguf_model import UnsupportedModel
 
     backend = backend or resolve_backend(settings)
     if settings.backend == "auto" and backend == "native":

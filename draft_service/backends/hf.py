@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
-from specdec.engine import CachedCausalLM, ForwardRequest, ModelInfo, eos_ids, torch_threads
+from specdec.engine.compute import StepResult
+from specdec.engine.executor import Executor, ForwardRequest, torch_threads
+from specdec.engine.requests import eos_ids
+from specdec.engine.sessions import SessionsFull, SessionStore
 from specdec.errors import Cancelled
 from specdec.models import LoadedModel, load_hf, tokenizer_fingerprint
-from specdec.scheduler import StepResult
-from specdec.sessions import SessionsFull, SessionStore
+from specdec.params import ModelInfo
 
 if TYPE_CHECKING:
     from draft_service.settings import DraftSettings
@@ -23,7 +25,7 @@ class TransformersProposer(Proposer):
         super().__init__(store, max_draft_tokens)
         self.overlap_threads = overlap_threads  # torch threads of a step that yields cores (0: all)
         self.loaded = loaded
-        self.lm = CachedCausalLM(loaded.model, store)
+        self.lm = Executor(loaded.model, store)
         config = loaded.model.config
         self._info = ModelInfo(
             model_id=loaded.model_id,
@@ -111,7 +113,7 @@ def _within_budget(active: list[int], requests: list[ForwardRequest], jobs: list
                    ) -> tuple[list[int], list[ForwardRequest]]:
     """``active`` and ``requests`` less the sampling jobs past this step's budget (their outcome
     stays PENDING: they run in a later step)."""
-    from specdec.sessions import common_prefix_len
+    from specdec.engine.sessions import common_prefix_len
 
     budget, kept = SAMPLING_ROWS_PER_STEP, []
     for n, i in enumerate(active):

@@ -30,14 +30,14 @@ from prometheus_client import Counter
 
 from draft_service.backends.ngram import find_continuation
 from draft_service.proposer import ProposeJob, Proposer, batch_of_distinct_sessions
-from specdec.engine import ModelInfo
+from specdec.engine.compute import StepResult
+from specdec.engine.sessions import Session, SessionsFull, SessionStore, common_prefix_len
 from specdec.errors import Cancelled, ResourceExhausted
-from specdec.gguf_convert import draft_gguf
-from specdec.gguf_model import file_type_name
+from specdec.model.gguf_convert import draft_gguf
+from specdec.model.gguf_model import file_type_name
 from specdec.models import gguf_tokenizer_fingerprint
-from specdec.runtime import cpu_cores
-from specdec.scheduler import StepResult
-from specdec.sessions import Session, SessionsFull, SessionStore, common_prefix_len
+from specdec.params import ModelInfo
+from specdec.process import cpu_cores
 
 if TYPE_CHECKING:
     from draft_service.settings import DraftSettings
@@ -107,7 +107,7 @@ class LlamaCppProposer(Proposer):
         # Propose that yields cores (the target computes on this host meanwhile) run on
         # overlap_threads instead. On the 2-core machines measured, the embedded draft decoded a
         # token in 8.5-12 ms on two threads and 13-18 ms on one with the cores to itself (with the
-        # OpenMP spin bounded, not passive: see specdec.runtime.SPIN_COUNT); next to a busy target, two
+        # OpenMP spin bounded, not passive: see specdec.process.SPIN_COUNT); next to a busy target, two
         # threads would wait for each other at every op's barrier.
         nthreads = threads or max(1, int(cpu_cores()))
         self.threads = nthreads

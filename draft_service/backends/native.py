@@ -1,7 +1,7 @@
-"""Draft backend on specdec's own kernels: a quantised GGUF draft run by specdec.runner.
+"""Draft backend on specdec's own kernels: a quantised GGUF draft run by specdec.model.runner.
 
 The same file the llamacpp backend runs (the embedded Q4_1 draft, or any model converted to GGUF),
-loaded by specdec.gguf_model: its linears compute on the file's quantised blocks with AVX2 (AVX-512
+loaded by specdec.model.gguf_model: its linears compute on the file's quantised blocks with AVX2 (AVX-512
 VNNI for Q4_1 and Q8_0 where the CPU has it; specdec.native), everything else on the runner the
 target uses, sessions on the engine's KV buffers. On the machines measured a draft token costs
 22-40 % less than through llama.cpp (docs/performance.md, "A draft on specdec's kernels"). Batching, prefix reuse, crop and
@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 
 from draft_service.backends.hf import TransformersProposer
 from draft_service.proposer import Proposer
-from specdec.engine import CachedCausalLM, ModelInfo
-from specdec.gguf_convert import draft_gguf
-from specdec.gguf_model import UnsupportedModel, file_type, load_gguf
+from specdec.engine.executor import Executor
+from specdec.engine.sessions import SessionStore
+from specdec.model.gguf_convert import draft_gguf
+from specdec.model.gguf_model import UnsupportedModel, file_type, load_gguf
 from specdec.models import gguf_tokenizer_fingerprint, load_tokenizer
 from specdec.native import kernels
-from specdec.sessions import SessionStore
+from specdec.params import ModelInfo
 
 if TYPE_CHECKING:
     from draft_service.settings import DraftSettings
@@ -36,7 +37,7 @@ class NativeProposer(TransformersProposer):
             raise UnsupportedModel("the native draft backend needs specdec.native, which is unavailable here (the log "
                                    "says why); use SPECDEC_DRAFT_BACKEND=llamacpp")
         model, quant, gguf = load_gguf(path, dequantize_blocks=False)
-        self.lm = CachedCausalLM(model, store, quant=quant)
+        self.lm = Executor(model, store, quant=quant)
         if self.lm.runner is None:
             raise UnsupportedModel(f"{path.name}: specdec's runner does not cover this model (the log says why); use "
                                    "SPECDEC_DRAFT_BACKEND=llamacpp")

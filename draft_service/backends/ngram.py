@@ -12,8 +12,8 @@ from array import array
 from typing import TYPE_CHECKING
 
 from draft_service.proposer import Proposal, Proposer, StopReason
-from specdec.engine import ModelInfo
-from specdec.sessions import SessionStore
+from specdec.engine.sessions import SessionStore
+from specdec.params import ModelInfo
 
 if TYPE_CHECKING:
     from draft_service.settings import DraftSettings

@@ -1,6 +1,6 @@
 """specdec's native kernels (kernels.c): a decoder layer's work between its linears, in C.
 
-specdec.runner calls three of them a layer (residual add + norm, rotary + KV write + attention,
+specdec.model.runner calls three of them a layer (residual add + norm, rotary + KV write + attention,
 the SwiGLU gate) instead of ~20 small torch ops, and for a Llama or GPT-2 model whose linears are
 all on these kernels runs the whole decoder stack in one call (:meth:`Kernels.forward_decoder`); see kernels.c
 for what they compute and why a row's result never depends on the rows beside it.
@@ -416,7 +416,7 @@ class Kernels:
                         sin: torch.Tensor | None, table: torch.Tensor, scale: float, eps: float,
                         quant_k: int = 0) -> torch.Tensor:
         """A decoder stack (``layers``: an array of :class:`Layer`) over the [T, hidden] residual
-        stream ``x`` (updated in place) in one call, exactly as specdec.runner's calls one by one:
+        stream ``x`` (updated in place) in one call, exactly as specdec.model.runner's calls one by one:
         per layer the qkv linear, rotary (``cos``/``sin``, or None) + KV write + attention, the
         output projection added and normed, the MLP (``gated``: SwiGLU on a gate/up weight, else
         the up projection with ``up_act`` fused) added and normed. ``ln1``: the first layer's input

@@ -294,7 +294,7 @@ def test_draft_image_converts_models_for_llamacpp(stack: Stack) -> None:
     """The image carries llama.cpp's converter and its dependencies, and the draft container may
     write the gguf-cache volume: the embedded target converts to q8_0, as SPECDEC_DRAFT_MODEL=target
     does on a draft's first start, and a second run reuses the file."""
-    cmd = ("exec", "-T", "draft", "python", "-m", "specdec.gguf_convert", "embedded", "--quant", "q8_0")
+    cmd = ("exec", "-T", "draft", "python", "-m", "specdec.model.gguf_convert", "embedded", "--quant", "q8_0")
     first = stack.compose(*cmd, timeout=300)
     path = first.stdout.strip().splitlines()[-1]
     assert path.startswith("/opt/specdec/cache/gguf/") and path.endswith("-q8_0.gguf"), first.stdout + first.stderr

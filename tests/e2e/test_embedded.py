@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from specdec.sessions import SessionStore
+from specdec.engine.sessions import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -27,8 +27,8 @@ def stubs(embedded_target):
     from draft_service.backends.llamacpp import LlamaCppProposer
     from draft_service.servicer import build_server as build_draft
     from specdec.models import embedded_gguf_path
-    from target_service.engine import TargetEngine
     from target_service.servicer import build_server as build_target
+    from target_service.verify import TargetEngine
 
     proposer = LlamaCppProposer(str(embedded_gguf_path()), 4, 64 << 20, 0, 16)
     engine = TargetEngine(embedded_target, SessionStore(4, 1 << 30, 0))

@@ -30,13 +30,13 @@ from orchestrator.openai_errors import OPENAI_PATHS
 from orchestrator.settings import OrchestratorSettings
 from specdec import healthcheck
 from specdec.auth import ChannelSecurity, TokenAuth, channel, read_secret, server_credentials, server_security
+from specdec.engine.sessions import SessionStore
 from specdec.models import load_hf
-from specdec.sessions import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from target_service.engine import TargetEngine
 from target_service.servicer import build_server as build_target
 from target_service.settings import TargetSettings
+from target_service.verify import TargetEngine
 from tests.support import ROOT, Proc, free_port, start_orchestrator
 
 KEYS = ["sk-alpha-0123456789", "sk-beta-9876543210"]
@@ -119,7 +119,7 @@ def test_every_process_binds_loopback_by_default():
 
 
 def test_metrics_listen_where_the_service_does():
-    from specdec.runtime import start_metrics
+    from specdec.process import start_metrics
 
     port = free_port()
     start_metrics(port, "127.0.0.1")

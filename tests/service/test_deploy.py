@@ -32,7 +32,7 @@ from draft_service.servicer import build_server as build_draft
 from draft_service.settings import DraftSettings
 from orchestrator.settings import OrchestratorSettings
 from specdec import healthcheck
-from specdec.sessions import SessionStore
+from specdec.engine.sessions import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from target_service.settings import TargetSettings
 from tests.support import ROOT

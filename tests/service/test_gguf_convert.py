@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints converted to GGUF for the llama.cpp draft (specdec.gguf_convert): real
+"""Hugging Face checkpoints converted to GGUF for the llama.cpp draft (specdec.model.gguf_convert): real
 conversions of tiny random models that carry the embedded model's byte-level BPE tokenizer, by
 llama.cpp's own converter and quantiser, loaded by the real llama.cpp draft backend."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec import gguf_convert
 from specdec.errors import NotFound
-from specdec.gguf_convert import ConversionError, draft_gguf, ensure_gguf
+from specdec.model import gguf_convert
+from specdec.model.gguf_convert import ConversionError, draft_gguf, ensure_gguf
 from specdec.models import embedded_gguf_path, gguf_tokenizer_fingerprint, load_tokenizer, tokenizer_fingerprint
 from tests.support import BPE_VOCAB as VOCAB
 from tests.support import ROOT, make_bpe_model
@@ -69,8 +69,8 @@ def test_llamacpp_drafts_like_transformers(bpe_models, cache, arch):
     position where the two part (what follows a different token is another continuation)."""
     from draft_service.backends.hf import TransformersProposer
     from draft_service.backends.llamacpp import LlamaCppProposer
+    from specdec.engine.sessions import SessionStore
     from specdec.models import load_hf
-    from specdec.sessions import SessionStore
 
     k = 8
     tok = load_tokenizer(str(bpe_models[arch]))
@@ -146,7 +146,7 @@ def test_a_folder_with_remote_code_is_refused_not_converted(bpe_models, tmp_path
 def test_two_processes_convert_once(bpe_models, tmp_path):
     """Two services starting together: one converts, the other waits on the lock and takes its file."""
     env = {**os.environ, "SPECDEC_CACHE_DIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "specdec.gguf_convert", str(bpe_models["llama"]), "--quant", "q8_0"]
+    cmd = [sys.executable, "-m", "specdec.model.gguf_convert", str(bpe_models["llama"]), "--quant", "q8_0"]
     procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]

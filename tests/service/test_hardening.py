@@ -15,15 +15,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import sampling as sm
+from specdec.engine.compute import ComputeThread
+from specdec.engine.sessions import SessionStore
 from specdec.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
 from specdec.models import load_hf
-from specdec.scheduler import ComputeThread
 from specdec.server import STORE_METRICS, message_limits
-from specdec.sessions import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from target_service.engine import TargetEngine
 from target_service.servicer import build_server as build_target
+from target_service.verify import TargetEngine
 from tests.support import PROMPT, EngineTarget, greedy_reference
 
 
@@ -117,7 +117,7 @@ def test_a_failed_forward_resets_the_session(engine, monkeypatch):
         raise RuntimeError("forward failed")
 
     monkeypatch.setattr(type(model), "forward", broken)
-    if engine.lm.runner is not None:  # specdec's own forward (specdec.runner) serves this model
+    if engine.lm.runner is not None:  # specdec's own forward (specdec.model.runner) serves this model
         monkeypatch.setattr(engine.lm.runner, "forward", lambda batch: broken(None))
     with pytest.raises(RuntimeError, match="forward failed"):
         engine.verify("s", PROMPT[:5] + [6])  # crops to 5, then fails
@@ -240,7 +240,7 @@ def test_temperature_below_epsilon_is_greedy(engine):
 def test_eos_ids_include_the_generation_config(tmp_path):
     from transformers import GenerationConfig
 
-    from specdec.engine import eos_ids
+    from specdec.engine.requests import eos_ids
     from tests.support import make_gpt2
 
     folder = make_gpt2(tmp_path / "m", 0)

@@ -1,6 +1,6 @@
 """The native draft backend: GGUF drafts (the embedded Q4_1 file, tiny random models converted by
-llama.cpp's own converter) read by specdec.gguf_file, built into transformers models by
-specdec.gguf_model and run on specdec.native's quantised linears; against the gguf package's
+llama.cpp's own converter) read by specdec.model.gguf_file, built into transformers models by
+specdec.model.gguf_model and run on specdec.native's quantised linears; against the gguf package's
 reader, transformers' own GGUF loader and the llama.cpp backend on the same file."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from draft_service.backends import native_unavailable, resolve_backend
 from draft_service.backends.llamacpp import LlamaCppProposer
 from draft_service.backends.native import NativeProposer
 from draft_service.settings import DraftSettings
-from specdec.gguf_convert import ensure_gguf
-from specdec.gguf_file import GGUFError, GGUFFile
-from specdec.gguf_model import UnsupportedModel, load_gguf
+from specdec.engine.sessions import SessionStore
+from specdec.model.gguf_convert import ensure_gguf
+from specdec.model.gguf_file import GGUFError, GGUFFile
+from specdec.model.gguf_model import UnsupportedModel, load_gguf
 from specdec.models import embedded_gguf_path, load_tokenizer
 from specdec.native import kernels
-from specdec.sessions import SessionStore
 from tests.support import ROOT, make_bpe_model
 
 # auto takes the native draft where specdec.native's vector kernels run (AVX2 or AVX-512 VNNI)
@@ -91,7 +91,7 @@ def _logits(model, text: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_the_model_is_its_checkpoint_with_the_files_weights(ggufs, arch):
-    """specdec.gguf_model builds the model the file was converted from: on the f16 file, the
+    """specdec.model.gguf_model builds the model the file was converted from: on the f16 file, the
     original checkpoint with its matrices rounded to fp16 (what the converter stores; vectors stay
     fp32) gives the same logits, to the rounding of the norms' epsilon (the file keeps it as fp32)."""
     from transformers import AutoModelForCausalLM

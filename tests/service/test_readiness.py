@@ -45,7 +45,7 @@ def test_a_draft_that_comes_back_is_connected_again_within_seconds(tiny_target_s
 
     from draft_service.backends.ngram import NgramProposer
     from draft_service.servicer import build_server as build_draft
-    from specdec.sessions import SessionStore
+    from specdec.engine.sessions import SessionStore
 
     port, path = tiny_target_server
     draft_port = free_port()
@@ -74,10 +74,10 @@ def test_a_target_swapped_for_another_tokenizer_is_noticed(tiny_models, tmp_path
     import time
 
     from orchestrator.runtime import READY_RECHECK_S
+    from specdec.engine.sessions import SessionStore
     from specdec.models import load_hf, load_tokenizer
-    from specdec.sessions import SessionStore
-    from target_service.engine import TargetEngine
     from target_service.servicer import build_server
+    from target_service.verify import TargetEngine
 
     other = tmp_path / "other"
     shutil.copytree(tiny_models["gpt2-target"], other)

@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from draft_service.servicer import build_server
+from specdec.engine.compute import PENDING, ComputeThread
+from specdec.engine.sessions import SessionStore
 from specdec.models import load_hf
-from specdec.scheduler import PENDING, ComputeThread
-from specdec.sessions import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 

@@ -13,12 +13,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from draft_service.backends.hf import TransformersProposer
 from draft_service.backends.ngram import NgramProposer
 from draft_service.servicer import build_server as build_draft
+from specdec.engine.sessions import SessionStore
 from specdec.models import load_hf
-from specdec.sessions import SessionStore
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from target_service.engine import TargetEngine
 from target_service.servicer import build_server as build_target
+from target_service.verify import TargetEngine
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -298,7 +298,7 @@ def test_llamacpp_yields_cores_only_when_asked():
 def test_engines_stores_and_compute_threads_are_built_from_their_settings(tiny_models):
     """Each service's parts from its settings (``from_settings``), every knob where it belongs."""
     from draft_service.settings import DraftSettings
-    from specdec.scheduler import ComputeThread
+    from specdec.engine.compute import ComputeThread
     from target_service.settings import TargetSettings
 
     settings = TargetSettings(model=tiny_models["llama-target"], max_draft_tokens=6, max_batch_rows=100,

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from specdec import sampling as sm
-from specdec.engine import ForwardRequest
+from specdec.engine.compute import PENDING, ComputeThread
+from specdec.engine.executor import ForwardRequest
+from specdec.engine.sessions import SessionStore
 from specdec.models import load_hf
-from specdec.scheduler import PENDING, ComputeThread
-from specdec.sessions import SessionStore
-from target_service.engine import TargetEngine
+from target_service.verify import TargetEngine
 from tests.support import greedy_reference
 
 ARCHS = ["gpt2", "llama"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import specdec.native as native_mod
-from specdec import gguf_convert
+from specdec.model import gguf_convert
 from specdec.native import Kernels, build
 from tests.support import make_bpe_model
 
@@ -117,7 +117,7 @@ def test_a_tampered_gguf_is_converted_again(tiny_model, tmp_path, caplog):
     assert (out.stat().st_ino, out.stat().st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
 
     _flip_a_byte(out)
-    with caplog.at_level(logging.WARNING, logger="specdec.gguf_convert"):
+    with caplog.at_level(logging.WARNING, logger="specdec.model.gguf_convert"):
         assert gguf_convert.ensure_gguf(str(tiny_model), "f16", cache) == out
     assert any(str(out) in r.getMessage() and "SHA-256" in r.getMessage() for r in caplog.records)
     assert record.read_text().split()[0] == _sha256(out) and out.stat().st_ino != first.st_ino
@@ -125,7 +125,7 @@ def test_a_tampered_gguf_is_converted_again(tiny_model, tmp_path, caplog):
     caplog.clear()
     record.unlink(missing_ok=True)
     converted = out.stat().st_ino
-    with caplog.at_level(logging.WARNING, logger="specdec.gguf_convert"):
+    with caplog.at_level(logging.WARNING, logger="specdec.model.gguf_convert"):
         assert gguf_convert.ensure_gguf(str(tiny_model), "f16", cache) == out
     assert any(str(out) in r.getMessage() and "no " in r.getMessage() for r in caplog.records)
     assert record.read_text().split()[0] == _sha256(out) and out.stat().st_ino != converted

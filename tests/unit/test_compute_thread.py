@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from specdec.scheduler import ComputeThread
+from specdec.engine.compute import ComputeThread
 
 
 def test_calls_run_on_the_owner_thread_and_errors_propagate():

@@ -29,13 +29,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from draft_service.backends.hf import TransformersProposer
 from specdec import sampling as sm
-from specdec.engine import HOST, CachedCausalLM, ForwardRequest
+from specdec.engine.compute import PENDING
+from specdec.engine.executor import HOST, Executor, ForwardRequest
+from specdec.engine.sessions import SessionStore
 from specdec.errors import NotFound
+from specdec.model.ragged import SEGMENTS, VARLEN, RaggedBatch, Segment, SessionKV, attention_path, kv_geometry
 from specdec.models import LoadedModel, load_hf, load_tokenizer
-from specdec.ragged import SEGMENTS, VARLEN, RaggedBatch, Segment, SessionKV, attention_path, kv_geometry
-from specdec.scheduler import PENDING
-from specdec.sessions import SessionStore
-from target_service.engine import TargetEngine
+from target_service.verify import TargetEngine
 from tests.support import ROOT, VOCAB
 
 HAS_CUDA = torch.cuda.is_available()
@@ -99,7 +99,7 @@ def test_the_attention_path_follows_the_device():
 def test_a_bad_attention_path_or_packing_is_refused(tiny_models):
     model = load_hf(tiny_models["gpt2-target"]).model
     with pytest.raises(ValueError, match="attention must be one of"):
-        CachedCausalLM(model, SessionStore(2, 1 << 20, 0), attention="flash")
+        Executor(model, SessionStore(2, 1 << 20, 0), attention="flash")
     kv = SessionKV(*kv_geometry(model), torch.float32, torch.device("cpu"))
     kv.ensure(8, 8)
     with pytest.raises(ValueError, match="attention path must be one of"):
@@ -118,7 +118,7 @@ def test_the_forward_runs_on_meta_and_copies_only_the_kept_logits_to_the_host(ti
     loaded = meta_loaded(tiny_models[f"{arch}-target"])
     vocab = loaded.model.config.vocab_size
     with CrossDevice() as moves:
-        lm = CachedCausalLM(loaded.model, SessionStore(8, 1 << 30, 0), attention=attention)
+        lm = Executor(loaded.model, SessionStore(8, 1 << 30, 0), attention=attention)
         assert lm.runner is None and lm.attention == attention
         assert moves.copies == [("meta", "cpu", (1, vocab))]  # the warm-up's logits
         plans = [
@@ -147,7 +147,7 @@ def test_runner_masks_live_on_the_kv_device(tiny_models):
     """specdec's own runner (CPU only: packed oneDNN weights) builds its causal masks beside the
     keys: on meta KV they are meta, and attention over them runs there. Before, they were CPU
     tensors whatever the keys' device (the assertion on the masks' device failed)."""
-    lm = CachedCausalLM(load_hf(tiny_models["llama-target"]).model, SessionStore(2, 1 << 30, 0))
+    lm = Executor(load_hf(tiny_models["llama-target"]).model, SessionStore(2, 1 << 30, 0))
     runner = lm.runner
     assert runner is not None
     kvs = [SessionKV(*lm.geometry, torch.float32, torch.device("meta")) for _ in range(3)]
@@ -218,7 +218,7 @@ def test_the_sampling_transform_creates_nothing_off_the_logits_device():
 def test_a_pass_brings_its_logits_to_the_host_in_one_copy(tiny_models, device):
     """The kept rows of every request in a pass come back as slices of one host tensor; the KV
     stays on the device."""
-    lm = CachedCausalLM(load_hf(tiny_models["llama-target"], device=device).model, SessionStore(8, 1 << 30, 0))
+    lm = Executor(load_hf(tiny_models["llama-target"], device=device).model, SessionStore(8, 1 << 30, 0))
     assert lm.attention == attention_path(torch.device(device))
     requests = [ForwardRequest(lm.session("a"), IDS[:9], 3), ForwardRequest(lm.session("b"), IDS[:4], 1),
                 ForwardRequest(lm.session("c"), IDS[:6], 2)]
@@ -228,7 +228,7 @@ def test_a_pass_brings_its_logits_to_the_host_in_one_copy(tiny_models, device):
     assert all(r.session.cache.kv.device.type == device for r in requests)
 
 
-def _passes(lm: CachedCausalLM) -> list[list[torch.Tensor | None]]:
+def _passes(lm: Executor) -> list[list[torch.Tensor | None]]:
     """Logits of a sequence of batched passes over three sessions at different cached lengths:
     prefills, verify-sized passes, single rows, a prefill chunk without logits, a rollback."""
     plans = [
@@ -247,8 +247,8 @@ def test_varlen_attention_matches_per_segment_attention(tiny_models, arch, devic
     CPU's): the same logits within fp32 rounding, the same argmax tokens, the same keys and values
     written into each session's buffer."""
     model = load_hf(tiny_models[f"{arch}-target"], device=device).model
-    by_segment = CachedCausalLM(model, SessionStore(8, 1 << 30, 0), use_runner=False, attention=SEGMENTS)
-    varlen = CachedCausalLM(model, SessionStore(8, 1 << 30, 0), use_runner=False, attention=VARLEN)
+    by_segment = Executor(model, SessionStore(8, 1 << 30, 0), use_runner=False, attention=SEGMENTS)
+    varlen = Executor(model, SessionStore(8, 1 << 30, 0), use_runner=False, attention=VARLEN)
     for mine, theirs in zip(_passes(by_segment), _passes(varlen), strict=True):
         for a, b in zip(mine, theirs, strict=True):
             if a is None:

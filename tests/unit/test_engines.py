@@ -7,10 +7,10 @@ import pytest
 from draft_service.backends.hf import TransformersProposer
 from draft_service.proposer import StopReason
 from specdec import sampling as sm
+from specdec.engine.sessions import SessionStore
 from specdec.errors import InvalidArgument
 from specdec.models import load_hf
-from specdec.sessions import SessionStore
-from target_service.engine import TargetEngine
+from target_service.verify import TargetEngine
 from tests.support import greedy_reference
 
 ARCHS = ["gpt2", "llama"]
@@ -220,8 +220,8 @@ def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
     stock kernel runs."""
     import torch
 
-    from specdec.engine import ONEDNN_MIN_ROWS, fast_linears
-    from specdec.runner import padded_rows
+    from specdec.model.linears import ONEDNN_MIN_ROWS, fast_linears
+    from specdec.model.runner import padded_rows
 
     loaded = load_hf(tiny_models["llama-target"])
     # to compare kernels, as evaluation.batchcost does; oneDNN's packing, not specdec.native's
@@ -257,7 +257,7 @@ def test_native_linears_match_the_stock_kernel_at_every_row_count(tiny_models, n
     panels at load) for any number of rows, a lone row included, and agree with ``F.linear``."""
     import torch
 
-    from specdec.engine import fast_linears
+    from specdec.model.linears import fast_linears
 
     loaded = load_hf(tiny_models["gpt2-target"])  # Conv1D layers (weight [in, out]) and biases
     fast_linears(loaded.model, keep_row_major=True)
@@ -294,7 +294,7 @@ def test_packed_layers_free_their_row_major_weights_and_keep_their_outputs(tiny_
     not (``generate``); the outputs are those of the model that kept its weights, bit for bit."""
     import torch
 
-    from specdec.engine import fast_linears
+    from specdec.model.linears import fast_linears
 
     kept = load_hf(tiny_models[f"{arch}-target"])
     fast_linears(kept.model, keep_row_major=True, native=native)
@@ -360,7 +360,7 @@ def test_packed_linears_sum_a_row_alike_whatever_rows_surround_it(tiny_models, n
 def test_a_build_whose_prepack_fails_keeps_the_row_major_kernels(monkeypatch, tiny_models):
     import torch
 
-    from specdec import engine as engine_module
+    from specdec.model import linears as engine_module
 
     def broken(*args):
         raise RuntimeError("no prepack in this build")
@@ -375,7 +375,7 @@ def test_a_build_whose_prepack_fails_keeps_the_row_major_kernels(monkeypatch, ti
 def test_no_onednn_kernel_means_mkl(monkeypatch):
     import torch
 
-    from specdec import engine
+    from specdec.model import linears as engine
 
     def broken(*args):
         raise RuntimeError("no oneDNN kernel in this build")

@@ -391,7 +391,7 @@ def test_batchcost_measures_both_engines(tmp_path):
     """``python -m evaluation.batchcost`` on the embedded pair: a row per batch size, positive
     times, and a step of three sessions not cheaper than one (within noise)."""
     from evaluation import batchcost
-    from specdec.engine import KERNELS
+    from specdec.model.linears import KERNELS
 
     assert ("native", *batchcost.KERNELS) == KERNELS  # native is the runner's ("runner")
     assert batchcost.main(["--batches", "1,3", "--rows", "1,2", "--repeats", "2", "--context", "32",

@@ -6,7 +6,7 @@ spoiled at random places, so k runs over 1-16 and the accepted length over 0..k;
 each pass in random groups of one to four (ragged rows, a prefill beside verifies), as under load.
 Every Verify must accept exactly the draft's agreeing prefix and answer the reference's next
 token, so the decoded text equals the plain one token for token. The linears, attention and
-logits run on the same code as in the services (specdec.runner on specdec.native where it
+logits run on the same code as in the services (specdec.model.runner on specdec.native where it
 builds): tiny checkpoints for hundreds of prompts, the embedded target for dozens.
 """
 
@@ -16,10 +16,10 @@ import random
 
 import pytest
 
+from specdec.engine.compute import PENDING
+from specdec.engine.sessions import SessionStore
 from specdec.models import load_hf
-from specdec.scheduler import PENDING
-from specdec.sessions import SessionStore
-from target_service.engine import TargetEngine
+from target_service.verify import TargetEngine
 
 MAX_K = 16
 

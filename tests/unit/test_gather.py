@@ -1,5 +1,5 @@
 """The scheduler waits briefly for sessions answered by the previous step that come straight back,
-so busy streams share passes instead of splitting into cohorts that alternate (specdec/scheduler.py)."""
+so busy streams share passes instead of splitting into cohorts that alternate (specdec/engine/compute.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from specdec.scheduler import ComputeThread, StepResult
+from specdec.engine.compute import ComputeThread, StepResult
 
 
 @dataclass

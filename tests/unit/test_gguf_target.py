@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specdec.engine.sessions import SessionStore
 from specdec.errors import InvalidArgument, NotFound
-from specdec.gguf_model import UnsupportedModel
+from specdec.model.gguf_model import UnsupportedModel
 from specdec.models import LoadedModel
-from specdec.sessions import SessionStore
-from target_service.engine import GGUFModel, TargetEngine, target_gguf
 from target_service.settings import TargetSettings
+from target_service.verify import GGUFModel, TargetEngine, target_gguf
 from tests.conftest import GGUF_TARGET_TYPES
 from tests.unit.test_exactness import MAX_K, check
 
@@ -67,7 +67,7 @@ def test_a_type_the_kernels_cannot_compute_is_refused_by_name(tiny_ggufs, tmp_pa
     the kernels compute (no silent fp32 copy)."""
     import ctypes
 
-    import llama_cpp  # llama.cpp's quantiser, for a type specdec.gguf_convert does not offer
+    import llama_cpp  # llama.cpp's quantiser, for a type specdec.model.gguf_convert does not offer
 
     path = tmp_path / "q2_k.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
@@ -95,7 +95,7 @@ def test_the_target_setting_takes_a_file_or_a_quantisation(tiny_ggufs, tmp_path)
 @pytest.mark.embedded
 @pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
 def test_verification_equals_plain_decoding_on_the_embedded_model(quant):
-    from specdec.gguf_convert import ensure_gguf
+    from specdec.model.gguf_convert import ensure_gguf
 
     engine = gguf_engine(ensure_gguf("embedded", quant))
     check(engine, prompts=32, n=17, max_prompt=64, seed=13)

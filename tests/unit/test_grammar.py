@@ -16,7 +16,7 @@ from specdec import grammar as gr
 from specdec import sampling as sm
 from specdec.errors import InvalidArgument
 from specdec.models import load_tokenizer
-from target_service.engine import TargetEngine
+from target_service.verify import TargetEngine
 from tests.support import BPE_VOCAB
 
 EOS = 2  # the embedded tokenizer's <|im_end|> (and the tiny models' eos)

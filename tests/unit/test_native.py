@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import specdec.native as native_mod
+from specdec.model.ragged import Segment, SessionKV
 from specdec.native import NativeError, build, kernels
-from specdec.ragged import Segment, SessionKV
 
 
 @pytest.fixture(scope="module")
@@ -396,7 +396,7 @@ def test_layers_of_quantised_and_fp32_storage_are_not_fused():
     own product (an unwritten placeholder never reaches a kernel)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.engine import _FastLinears
+    from specdec.model.linears import FastLinears
     from specdec.native import QuantWeight
 
     torch.manual_seed(0)
@@ -411,7 +411,7 @@ def test_layers_of_quantised_and_fp32_storage_are_not_fused():
         with torch.no_grad():
             module.weight.zero_()  # a placeholder: packing it would give zeros, not the blocks' product
     want[id(attn.v_proj)] = attn.v_proj.weight.detach().clone()
-    fast = _FastLinears(model, quant=quant)
+    fast = FastLinears(model, quant=quant)
     q, k, v = (fast.packed(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
     assert (q.weight.fmt, k.weight.fmt, isinstance(v.weight, QuantWeight)) == ("Q8_0", "Q4_1", False)
     assert not (q.fused or k.fused or v.fused) and fast.quantised == 2
@@ -440,7 +440,7 @@ def test_layers_of_different_block_types_fuse_as_parts():
     from gguf.quants import dequantize, quantize
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.engine import _FastLinears
+    from specdec.model.linears import FastLinears
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -453,7 +453,7 @@ def test_layers_of_different_block_types_fuse_as_parts():
         want[id(module)] = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[fmt]).reshape(module.weight.shape))
         with torch.no_grad():
             module.weight.zero_()
-    fast = _FastLinears(model, quant=quant)
+    fast = FastLinears(model, quant=quant)
     q, k, v = (fast.packed(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
     assert q.weight is k.weight is v.weight and q.weight.fmt == "mixed" and q.fused and fast.quantised == 3
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))

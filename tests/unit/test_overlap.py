@@ -16,10 +16,10 @@ from orchestrator.clients import Proposed
 from orchestrator.controller import CostController, CostModel, Load, StepObservation, make_controller
 from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, generate
 from orchestrator.schemas import Step
+from specdec.engine.sessions import SessionStore
 from specdec.models import load_hf
 from specdec.params import Sampling
-from specdec.sessions import SessionStore
-from target_service.engine import TargetEngine
+from target_service.verify import TargetEngine
 from tests.support import PROMPT, EngineTarget, greedy_reference
 
 N = 24

@@ -33,7 +33,7 @@ from evaluation.peer import (
     target_problem,
 )
 from evaluation.prompts import Prompt
-from specdec.gguf_convert import QUANTS
+from specdec.model.gguf_convert import QUANTS
 
 # ---- the option -------------------------------------------------------------------------------------
 

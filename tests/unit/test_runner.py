@@ -1,4 +1,4 @@
-"""specdec's own forward pass (specdec.runner) against transformers' on real architectures: the
+"""specdec's own forward pass (specdec.model.runner) against transformers' on real architectures: the
 same logits to fp32 rounding, the same keys and values in the session's cache, rows and sessions
 that do not change each other's results, and the fallback to transformers where it does not apply."""
 
@@ -7,19 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine import CachedCausalLM, ForwardRequest
+from specdec.engine.executor import Executor, ForwardRequest
+from specdec.engine.sessions import SessionStore
+from specdec.model.runner import PACK_EXACT_ROWS, PACK_PAD_ROWS, GPT2Runner, LlamaRunner, OutputBuffer, padded_rows
 from specdec.models import load_hf
-from specdec.runner import PACK_EXACT_ROWS, PACK_PAD_ROWS, GPT2Runner, LlamaRunner, OutputBuffer, padded_rows
-from specdec.sessions import SessionStore
 
 IDS = [3, 17, 5, 22, 9, 31, 4, 12, 28, 7, 19, 2, 25, 11, 6, 33, 14, 8, 21, 10, 27, 13, 30, 16, 24, 18, 29, 15, 26, 20]
 ARCHS = {"llama": LlamaRunner, "gpt2": GPT2Runner}
 
 
-def _lm(path: str, native: bool = True, **kwargs) -> CachedCausalLM:
+def _lm(path: str, native: bool = True, **kwargs) -> Executor:
     """A cached LM on ``path``; ``native=False`` runs the runner's torch ops instead of
     specdec.native's kernels (both must compute what transformers computes)."""
-    lm = CachedCausalLM(load_hf(path).model, SessionStore(8, 1 << 30, 0), **kwargs)
+    lm = Executor(load_hf(path).model, SessionStore(8, 1 << 30, 0), **kwargs)
     if lm.runner is not None:
         assert lm.runner.native is not None, "specdec.native did not build (is a C compiler installed?)"
         if not native:
@@ -137,7 +137,7 @@ def test_an_output_buffer_keeps_no_small_or_huge_output():
 
 
 def test_without_torchs_storage_use_count_every_output_is_fresh(monkeypatch):
-    import specdec.runner as runner_mod
+    import specdec.model.runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "_storage_uses", None)  # a torch without the private counter
     buf = OutputBuffer(floor=0)
@@ -240,7 +240,7 @@ def test_runner_greedy_equals_generate_on_the_embedded_target(embedded_target):
     """On the real embedded model (30 layers, grouped-query attention) the runner's plain steps
     reproduce transformers' greedy ``generate`` of a fresh copy token for token."""
     fresh = load_hf("embedded")
-    lm = CachedCausalLM(embedded_target.model, SessionStore(4, 1 << 30, 0))
+    lm = Executor(embedded_target.model, SessionStore(4, 1 << 30, 0))
     assert isinstance(lm.runner, LlamaRunner)
     tok = fresh.tokenizer
     for i, prompt in enumerate(["The three laws of thermodynamics say that", "import numpy as np\n\ndef mean("]):

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from specdec import sessions
+from specdec.engine import sessions
+from specdec.engine.sessions import SessionStore, common_prefix_len
 from specdec.errors import Cancelled, ResourceExhausted
-from specdec.sessions import SessionStore, common_prefix_len
 
 
 def test_common_prefix_len():

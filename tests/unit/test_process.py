@@ -1,4 +1,4 @@
-"""Process-level setup of the model services (specdec.runtime), in fresh interpreters."""
+"""Process-level setup of the model services (specdec.process), in fresh interpreters."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ PROBE = textwrap.dedent("""
         _fields_ = [(n, ctypes.c_size_t) for n in
                     "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
     if sys.argv[1] == "configured":
-        from specdec.runtime import configure_allocator
+        from specdec.process import configure_allocator
         assert configure_allocator()
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = Info
@@ -42,7 +42,7 @@ TRIM_PROBE = textwrap.dedent("""
                     "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
     libc = ctypes.CDLL(None)
     if sys.argv[1] == "configured":
-        from specdec.runtime import configure_allocator
+        from specdec.process import configure_allocator
         assert configure_allocator()
     else:
         assert libc.mallopt(-3, 1 << 20)

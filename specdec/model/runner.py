@@ -4,10 +4,10 @@ A transformers forward is ~20 Python modules deep per layer (norms, rotary embed
 interface, cache update, residuals), each dispatching several small ops; on a 2-core CPU that
 framework work cost more than the weights themselves (docs/performance.md, "The target step at
 the floor"). A runner does the same arithmetic with the fewest ops it can: one packed oneDNN
-linear per projection (weights packed once by :class:`specdec.engine._FastLinears`), the residual
+linear per projection (weights packed once by :class:`specdec.model.linears.FastLinears`), the residual
 add fused into the output projections, the activation fused into the MLP's input projection,
 rotary and attention on all heads at once, and each segment's keys and values written in place
-into its :class:`specdec.ragged.SessionKV`.
+into its :class:`specdec.model.ragged.SessionKV`.
 
 A runner only executes a planned batch (:class:`RunnerBatch`): the sessions, their cached lengths
 and the rows to compute were decided by the caller. Every op is row-independent (a row's linear
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specdec.model.ragged import Segment
 from specdec.native import Kernels, Layer, kernels
-from specdec.ragged import Segment
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ PACK_EXACT_ROWS = 64
 
 
 def embed(ids: torch.Tensor, table: Any) -> torch.Tensor:
-    """The rows of ``table`` (an fp32 [vocab, hidden] tensor, or specdec.gguf_model.QuantRows:
+    """The rows of ``table`` (an fp32 [vocab, hidden] tensor, or specdec.model.gguf_model.QuantRows:
     quantised embeddings, dequantised row by row) at ``ids``."""
     if isinstance(table, torch.Tensor):
         return F.embedding(ids, table)
@@ -89,7 +89,7 @@ class OutputBuffer:
     """A pass's logits written into memory the process already has, where the last pass's logits
     are no longer referenced.
 
-    glibc maps each block of at least ``specdec.runtime.MMAP_THRESHOLD`` bytes on its own and
+    glibc maps each block of at least ``specdec.process.MMAP_THRESHOLD`` bytes on its own and
     unmaps it when freed (see there), so a fresh [rows, vocab] fp32 tensor per pass (3.3 MB for a
     17-row verify of the embedded target) was mapped, faulted in page by page from inside the
     lm_head's parallel loop, and unmapped again: 7.6 against 2.6 ms for that lm_head, a quarter of
@@ -158,7 +158,7 @@ def _linear(fast: Any, *modules: Any) -> _Linear:
 
 def fused_groups(model: Any) -> list[list[Any]]:
     """Linear layers of ``model`` that read the same input and that its runner runs as one
-    packed weight (see ``specdec.engine._FastLinears``): per Llama layer q/k/v and gate/up."""
+    packed weight (see ``specdec.model.linears.FastLinears``): per Llama layer q/k/v and gate/up."""
     if getattr(model.config, "model_type", None) != "llama" or not hasattr(model, "model"):
         return []
     groups = []

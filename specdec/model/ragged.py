@@ -191,7 +191,7 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     transformers' attention functions.
     """
     if specdec_batch is None:
-        raise RuntimeError(f"the {ATTENTION} attention needs a RaggedBatch (run the model through specdec.ragged)")
+        raise RuntimeError(f"the {ATTENTION} attention needs a RaggedBatch (run the model through specdec.model.ragged)")
     layer = module.layer_idx
     heads, dim = query.shape[1], query.shape[3]
     if specdec_batch.path == VARLEN:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specdec import params as sm
-from specdec import runtime
+from specdec import process
 from specdec.params import ModelInfo
 from specdec.v1 import specdec_pb2 as pb
 
@@ -27,7 +27,7 @@ def sampling_to_pb(s: sm.Sampling) -> pb.SamplingParams:
 
 
 def info_to_pb(info: ModelInfo, scheduler: Any = None) -> pb.InfoResponse:
-    """``scheduler``: the service's SchedulerStats (specdec.scheduler), when it has a scheduler."""
+    """``scheduler``: the service's SchedulerStats (specdec.engine.compute), when it has a scheduler."""
     stats = pb.SchedulerStats(**vars(scheduler)) if scheduler is not None else None
     return pb.InfoResponse(
         model_id=info.model_id,
@@ -44,6 +44,6 @@ def info_to_pb(info: ModelInfo, scheduler: Any = None) -> pb.InfoResponse:
         kv_budget_bytes=info.kv_budget_bytes,
         eos_token_ids=info.eos_token_ids,
         scheduler=stats,
-        host_id=runtime.host_id(),
-        cpu_cores=runtime.cpu_cores(),
+        host_id=process.host_id(),
+        cpu_cores=process.cpu_cores(),
     )

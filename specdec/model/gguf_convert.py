@@ -1,7 +1,7 @@
 """Any Hugging Face causal LM as a GGUF file for the llama.cpp draft backend: converted once by
 llama.cpp's own converter, quantised by llama.cpp's quantiser, cached.
 
-``python -m specdec.gguf_convert MODEL [--quant q8_0]`` does ahead of time what the draft service
+``python -m specdec.model.gguf_convert MODEL [--quant q8_0]`` does ahead of time what the draft service
 does on its first start with ``SPECDEC_DRAFT_BACKEND=llamacpp`` and a model that is not a GGUF
 file, and prints the file's path.
 
@@ -253,7 +253,7 @@ def _convert(source: Path, out: Path, quant: str, log: Path, timeout_s: float) -
     try:
         _run([sys.executable, str(folder / "convert_hf_to_gguf.py"), str(source), "--outtype", "f32",
               "--outfile", str(full)], "converting to GGUF", log, env, timeout_s)
-        _run([sys.executable, "-m", "specdec.gguf_convert", "--quantise-file", str(full), str(out), quant],
+        _run([sys.executable, "-m", "specdec.model.gguf_convert", "--quantise-file", str(full), str(out), quant],
              f"quantising to {quant}", log, None, timeout_s)
     finally:
         full.unlink(missing_ok=True)
@@ -321,7 +321,7 @@ def ensure_gguf(model: str, quant: str = DEFAULT_QUANT, cache_dir: Path | None =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec.gguf_convert", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec.model.gguf_convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", help="Hugging Face id, local checkpoint folder or 'embedded'")
     parser.add_argument("--quant", default=DEFAULT_QUANT, choices=QUANTS, help=f"GGUF type (default {DEFAULT_QUANT})")
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: $SPECDEC_CACHE_DIR or ~/.cache/specdec")

@@ -15,22 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec import sampling as sm
-from specdec.engine import (
-    CachedCausalLM,
-    ForwardRequest,
-    ModelInfo,
-    eos_ids,
-    torch_threads,
-    validate_context,
-    validate_session_id,
-    validate_tokens,
-)
+from specdec.engine.compute import PENDING, CpuAccounted, StepResult, run_alone
+from specdec.engine.executor import Executor, ForwardRequest, torch_threads
+from specdec.engine.requests import eos_ids, validate_context, validate_session_id, validate_tokens
+from specdec.engine.sessions import SessionsFull, SessionStore, common_prefix_len
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import Grammars
 from specdec.grammar import apply as apply_mask
 from specdec.models import LoadedModel, gguf_tokenizer_fingerprint, load_hf, load_tokenizer, tokenizer_fingerprint
-from specdec.scheduler import PENDING, CpuAccounted, StepResult, run_alone
-from specdec.sessions import SessionsFull, SessionStore, common_prefix_len
+from specdec.params import ModelInfo
 
 if TYPE_CHECKING:
     from target_service.settings import TargetSettings
@@ -101,7 +94,7 @@ def target_gguf(model: str, quant: str | None, cache_dir: Path | None = None) ->
     """The GGUF file the target computes: ``model`` itself when it is a .gguf file, the model
     converted to ``quant`` (once, cached) when ``quant`` is set, else None (a transformers
     checkpoint in its own dtype)."""
-    from specdec.gguf_convert import ensure_gguf
+    from specdec.model.gguf_convert import ensure_gguf
 
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
@@ -118,11 +111,11 @@ def target_gguf(model: str, quant: str | None, cache_dir: Path | None = None) ->
 
 @dataclass
 class GGUFModel:
-    """A GGUF target: the model specdec.gguf_model builds, its quantised linears' blocks, the file."""
+    """A GGUF target: the model specdec.model.gguf_model builds, its quantised linears' blocks, the file."""
 
     model: object
     quant: dict
-    file: object  # specdec.gguf_file.GGUFFile
+    file: object  # specdec.model.gguf_file.GGUFFile
     file_type: str
     load_s: float
 
@@ -130,7 +123,7 @@ class GGUFModel:
     def load(cls, path: Path) -> GGUFModel:
         """The model of the GGUF file ``path``, or UnsupportedModel saying why it cannot be served
         (an architecture the runner does not cover, a tensor type the kernels do not compute)."""
-        from specdec.gguf_model import UnsupportedModel, file_type, load_gguf
+        from specdec.model.gguf_model import UnsupportedModel, file_type, load_gguf
         from specdec.native import kernels
 
         if kernels() is None:
@@ -140,10 +133,10 @@ class GGUFModel:
         model, quant, gguf = load_gguf(path, dequantize_blocks=False, strict=True)
         return cls(model, quant, gguf, file_type(gguf), time.perf_counter() - t0)
 
-    def check(self, lm: CachedCausalLM) -> None:
+    def check(self, lm: Executor) -> None:
         """UnsupportedModel unless the whole forward runs on specdec's runner and kernels (the
         quantised weights have no transformers forward); logs each format's kernel."""
-        from specdec.gguf_model import UnsupportedModel
+        from specdec.model.gguf_model import UnsupportedModel
         from specdec.native import kernels
 
         if lm.runner is None or lm.runner.native is None:
@@ -176,7 +169,7 @@ class TargetEngine:
         self.shared_prefill_rows = max(shared_prefill_rows, MIN_PREFILL_CHUNK) if shared_prefill_rows else 0
         # Threads of a pass that verifies while a draft computes on this host (0: no change).
         self.overlap_threads = overlap_threads
-        self.lm = CachedCausalLM(loaded.model, store, pack_weights, use_runner, native=native,
+        self.lm = Executor(loaded.model, store, pack_weights, use_runner, native=native,
                                  quant=gguf.quant if gguf is not None else None)
         if gguf is not None:
             gguf.check(self.lm)

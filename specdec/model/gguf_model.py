@@ -2,8 +2,8 @@
 file's own quantised blocks.
 
 llama.cpp runs the embedded Q4_1 draft at ~7-9 ms a token here, of which only ~2 ms is streaming
-its 96 MB of weights; the rest is per-op work, the overhead specdec.runner removed from the
-target. :func:`load_gguf` reads the file once (specdec.gguf_file), builds the transformers model
+its 96 MB of weights; the rest is per-op work, the overhead specdec.model.runner removed from the
+target. :func:`load_gguf` reads the file once (specdec.model.gguf_file), builds the transformers model
 its metadata describes (Llama or GPT-2 classes, the config transformers' own GGUF loader would
 derive) with every tensor dequantised to fp32 by the ``gguf`` package, and returns, beside the
 model, each linear layer's raw blocks where they are Q4_1 or Q8_0. The engine packs those for
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.gguf_file import GGUFFile
+from specdec.model.gguf_file import GGUFFile
 from specdec.native import QUANT_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool, 
 def load_gguf(path: Path, dequantize_blocks: bool = True, strict: bool = False
               ) -> tuple[Any, dict[int, tuple[str, np.ndarray]], GGUFFile]:
     """The causal LM in the GGUF file ``path`` (transformers, fp32, eval mode), its quantised
-    linears' raw blocks by ``id(module)`` (``quant`` for specdec.engine), and the parsed file.
+    linears' raw blocks by ``id(module)`` (``quant`` for specdec.model.linears), and the parsed file.
     ``dequantize_blocks`` False leaves those linears' fp32 weights unwritten (for an engine that
     packs the blocks: transformers' own forward is then meaningless). ``strict`` (a target: the
     weights computed in their own format, never an fp32 copy): every linear must be of a type the
