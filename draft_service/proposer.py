@@ -19,12 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec import sampling as sm
 from specdec.engine.compute import PENDING, CpuAccounted, StepResult, run_alone
+from specdec.engine.executor import ForwardRequest
+from specdec.engine.kv import KVManager
+from specdec.engine.planner import Budget, Need, Slot, plan
 from specdec.engine.requests import validate_context, validate_session_id, validate_tokens
-from specdec.engine.sessions import SessionStore
-from specdec.errors import InvalidArgument
+from specdec.engine.sessions import Session, SessionsFull, SessionStore
+from specdec.errors import Cancelled, InvalidArgument, ResourceExhausted
 from specdec.params import ModelInfo
+from specdec.sampling import STREAM_DRAFT, Sampling, draft_seed, probabilities, process, proposal, sample, to_sparse
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class ProposeJob(CpuAccounted):
     tokens: list[int]  # [n] committed tokens
     max_draft_tokens: int
     confidence_threshold: float
-    sampling: sm.Sampling
+    sampling: Sampling
     return_distributions: bool
     prepare_ns: int = 0
     yield_cores: bool = False  # the target computes on this host meanwhile: draft on overlap_threads
@@ -99,8 +102,8 @@ class ProposeJob(CpuAccounted):
                 logger.exception("session %s: the grammar's mask failed; drafting unconstrained", self.session_id)
                 self.grammar = None
         if self.sampling.processes:  # penalties and logit_bias: what the target applies at this position
-            logits = sm.process(logits[None], self.sampling, self.tokens + self.drafted)[0]
-        return sm.probabilities(logits, self.sampling)
+            logits = process(logits[None], self.sampling, self.tokens + self.drafted)[0]
+        return probabilities(logits, self.sampling)
 
     def advance(self, probs, eos: set[int], batch_sessions: int) -> bool:
         """Choose the next draft token from the draft's transformed distribution ``probs`` [V];
@@ -109,16 +112,16 @@ class ProposeJob(CpuAccounted):
         if self.sampling.greedy:
             token = int(probs.argmax())
         else:
-            probs = sm.proposal(probs)  # at most DRAFT_SUPPORT tokens: what the target then verifies against
+            probs = proposal(probs)  # at most DRAFT_SUPPORT tokens: what the target then verifies against
             # keyed by the round too (its start): a redraft after a rejection draws afresh
-            token = sm.sample(probs, sm.draft_seed(self.sampling.seed, len(self.tokens)), len(self.tokens) + i,
-                              sm.STREAM_DRAFT)
+            token = sample(probs, draft_seed(self.sampling.seed, len(self.tokens)), len(self.tokens) + i,
+                              STREAM_DRAFT)
         self.drafted.append(token)
         self.confidences.append(float(probs[token]))
         if self.grammar is not None and not self.grammar.advance(token):  # cannot happen: drawn under its mask
             self.stop_reason = StopReason.NO_CANDIDATE
         if self.return_distributions:
-            self.distributions.append(sm.to_sparse(probs))
+            self.distributions.append(to_sparse(probs))
         self.steps += 1
         self.sessions_seen += batch_sessions
         if self.stop_reason is not None:
@@ -217,7 +220,7 @@ class Proposer(abc.ABC):
         tokens: Sequence[int],
         max_draft_tokens: int,
         confidence_threshold: float = 0.0,
-        sampling: sm.Sampling = sm.Sampling(),
+        sampling: Sampling = Sampling(),
         return_distributions: bool = False,
         yield_cores: bool = False,
     ) -> ProposeJob:
@@ -276,20 +279,86 @@ class Proposer(abc.ABC):
         tokens: list[int],
         k: int,
         threshold: float,
-        sampling: sm.Sampling,
+        sampling: Sampling,
         return_distributions: bool,
     ) -> Proposal:
         """Propose up to ``k`` tokens (validated: 1 <= k, fits the context)."""
         raise NotImplementedError
 
 
-def batch_of_distinct_sessions(jobs: list[ProposeJob]) -> tuple[list[int], list]:
-    """Indices of the jobs that may share a step (the first call of each session; a second call on
-    one session waits for the next step), and the outcomes list with PENDING everywhere."""
+# A draft step's rows at the services' default settings (max_batch_rows, shared_prefill_rows)
+DEFAULT_BUDGET = Budget.of(256, 64, 1)
+
+
+def budget_of(settings: Any) -> Budget:
+    """The planner's budget of a draft service's settings (``max_batch_rows``, ``shared_prefill_rows``)."""
+    return Budget.of(settings.max_batch_rows, settings.shared_prefill_rows, 1)
+
+
+@dataclass
+class Planned:
+    """A job's part of a draft step: its sequence so far (request tokens + drafted), the first
+    ``cached`` in its cache, computed up to ``end``; ``logits`` 0 for a prefill chunk (the job does
+    not advance this step)."""
+
+    index: int  # of the job in the step's list
+    session: Session
+    sequence: list[int]
+    cached: int
+    end: int
+    logits: int
+
+    def request(self) -> ForwardRequest:
+        return ForwardRequest(self.session, self.sequence[:self.end], self.logits)
+
+
+@dataclass
+class DraftPlan:
+    """A draft step's plan (see specdec.engine.planner): ``shared`` in one pass, each of ``alone``
+    (sampling jobs) in a pass of its own; ``outcomes``: per job, PENDING or already decided."""
+
+    shared: list[Planned]
+    alone: list[Planned]
+    outcomes: list
+
+    @property
+    def planned(self) -> list[Planned]:
+        return self.shared + self.alone
+
+
+def plan_drafts(jobs: list[ProposeJob], kv: KVManager, budget: Budget, max_context: int) -> DraftPlan:
+    """Plan a batched draft step (under the model's lock): each job (the first call of each session)
+    advances by one draft token, and its first step also computes the tokens its cache missed, in
+    chunks when they pass the budget. A job with no room to draft is answered at once; one whose
+    session was released since the call was made gets Cancelled; one the store has no room for
+    this step (every session taken by it) waits for the next."""
     seen: set[str] = set()
-    chosen = []
+    outcomes: list = [PENDING] * len(jobs)
+    sessions: dict[int, Session] = {}
+    needs: list[Need] = []
     for i, job in enumerate(jobs):
-        if job.session_id not in seen:
-            seen.add(job.session_id)
-            chosen.append(i)
-    return chosen, [PENDING] * len(jobs)
+        if job.session_id in seen:
+            continue  # a second call on one session waits for the next step
+        seen.add(job.session_id)
+        if not job.begin(max_context):
+            outcomes[i] = job.proposal()
+            continue
+        try:
+            session = kv.session(job.session_id, job.issued, keep={s.session_id for s in sessions.values()})
+        except (Cancelled, ResourceExhausted) as exc:  # released since the call was made; no slot
+            outcomes[i] = exc
+            continue
+        except SessionsFull:  # never evicting a session of this step: the next step
+            continue
+        sessions[i] = session
+        sequence = job.tokens + job.drafted
+        needs.append(Need(i, kv.reusable(session, sequence, 1), len(sequence), 1, alone=not job.sampling.greedy))
+    step = plan(needs, budget)
+    cached = {n.index: n.cached for n in needs}
+
+    def planned(slot: Slot) -> Planned:
+        job = jobs[slot.index]
+        return Planned(slot.index, sessions[slot.index], job.tokens + job.drafted, cached[slot.index], slot.end,
+                       slot.logits)
+
+    return DraftPlan([planned(s) for s in step.shared], [planned(s) for s in step.alone], outcomes)

@@ -29,175 +29,22 @@ per prompt, so slow drift of the machine hits every mode alike. Every mode decod
 from __future__ import annotations
 
 import argparse
-import fnmatch
-import json
 import logging
 import os
-import platform
-import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from evaluation import report
-from evaluation.client import first_difference, generate_body, write_results
+from evaluation.client import first_difference, generate_body, post_json, sync_client
+from evaluation.modes import ASSISTED_MODES, Mode, parse_extra_draft, pick_modes, rotation
 from evaluation.prompts import CATEGORIES, SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import summarise
 from specdec.model.gguf_convert import QUANTS
 
 logger = logging.getLogger("evaluation.bench")
-
-FIXED_KS = (*range(1, 9), 12, 16)  # fixed-k modes
-MAX_FIXED_K = max(FIXED_KS)
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    kind: str  # "hf" (in this process) or "specdec" (through an orchestrator)
-    how: str = ""  # hf: plain | assisted | prompt_lookup
-    stack: str = "main"  # specdec: "main" (the model draft), "ngram" (the n-gram draft service) or an extra draft's name
-    body: dict[str, Any] = field(default_factory=dict)  # specdec: request fields of /v1/generate
-
-
-# --extra-draft NAME: a slug, so it can name log files, a stack and mode prefixes
-EXTRA_NAME = re.compile(r"[a-z][a-z0-9_]*(?:-[a-z0-9_]+)*")
-# names of the built-in stacks, and first words of the built-in modes: an extra draft named so
-# would be swept up by their patterns ('sd-*') and the plots' grouping
-RESERVED_NAMES = ("main", "hf", "sd", "ngram")
-UNCONVERTED = ("embedded",)  # SPECDEC_DRAFT_MODEL values the draft runs as shipped (no quantisation)
-
-
-@dataclass(frozen=True)
-class ExtraDraft:
-    """``--extra-draft NAME=SPEC``: one more llama.cpp draft service (SPECDEC_DRAFT_MODEL=model, at
-    ``quant`` when given) with its own orchestrator over the shared target."""
-
-    name: str
-    model: str
-    quant: str | None = None  # None: the draft service's default
-
-    def env(self, target: str) -> dict[str, str]:
-        """The draft service's settings (``target`` for model=target: the model the target service runs)."""
-        env = {"SPECDEC_DRAFT_BACKEND": "llamacpp", "SPECDEC_DRAFT_MODEL": self.model, "SPECDEC_DRAFT_TARGET_MODEL": target}
-        if self.quant:
-            env["SPECDEC_DRAFT_QUANT"] = self.quant
-        return env
-
-    def modes(self) -> list[Mode]:
-        # the bodies of sd-cost and sd-fixed-k4, so the drafts compare with the main one as well
-        return [Mode(f"{self.name}-fixed-k4", "specdec", stack=self.name,
-                     body={"controller": "fixed", "k": 4, "max_k": MAX_FIXED_K, "overlap": False}),
-                Mode(f"{self.name}-cost", "specdec", stack=self.name, body={"controller": "cost", "overlap": False})]
-
-
-def parse_extra_draft(value: str) -> ExtraDraft:
-    """``NAME=SPEC`` (SPEC: a SPECDEC_DRAFT_MODEL value, optionally ``@QUANT``) as an ExtraDraft;
-    argparse reports the ArgumentTypeError."""
-    name, sep, spec = value.partition("=")
-    if not sep or not spec:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=SPEC, e.g. self-q4_0=target@q4_0")
-    if not EXTRA_NAME.fullmatch(name):
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: NAME {name!r} is not a simple slug (lowercase letters, digits, '_' and '-', starting with a letter)")
-    if name.split("-")[0] in RESERVED_NAMES:
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: NAME {name!r} clashes with the built-in stacks and modes ({', '.join(RESERVED_NAMES)})")
-    model, quant = spec, None
-    if "@" in spec:
-        model, _, quant = spec.rpartition("@")
-        quant = quant.lower()
-        if quant not in QUANTS:
-            raise argparse.ArgumentTypeError(f"{value!r}: unknown quantisation {quant!r} (one of {', '.join(QUANTS)})")
-        # the draft service runs these files as they are: a quantisation would be a silent no-op
-        if model in UNCONVERTED or model.lower().endswith(".gguf"):
-            raise argparse.ArgumentTypeError(f"{value!r}: {model!r} is not converted, so @{quant} would not apply")
-    if not model:
-        raise argparse.ArgumentTypeError(f"{value!r}: SPEC names no model")
-    return ExtraDraft(name, model, quant)
-
-
-def all_modes(extras: Sequence[ExtraDraft] = ()) -> list[Mode]:
-    modes = [Mode("hf-plain", "hf", "plain"), Mode("hf-assisted", "hf", "assisted"),
-             Mode("hf-prompt-lookup", "hf", "prompt_lookup"),
-             Mode("sd-autoregressive", "specdec", body={"mode": "autoregressive"})]
-    # alternating (draft, then verify), whatever the server's default
-    modes += [Mode(f"sd-fixed-k{k}", "specdec", body={"controller": "fixed", "k": k, "max_k": MAX_FIXED_K, "overlap": False})
-              for k in FIXED_KS]
-    modes += [Mode(f"sd-{c}", "specdec", body={"controller": c, "overlap": False}) for c in ("acceptance", "hf", "cost")]
-    # overlapped: the next block is drafted while this one is verified
-    modes += [Mode(f"sd-overlap-fixed-k{k}", "specdec", body={"controller": "fixed", "k": k, "max_k": MAX_FIXED_K,
-                                                              "overlap": True}) for k in (3, 4, 6, 8)]
-    modes += [Mode("sd-overlap-cost", "specdec", body={"controller": "cost", "overlap": True})]
-    modes += [Mode("ngram-fixed-k4", "specdec", stack="ngram", body={"controller": "fixed", "k": 4, "overlap": False}),
-              Mode("ngram-cost", "specdec", stack="ngram", body={"controller": "cost", "overlap": False})]
-    modes += [m for e in extras for m in e.modes()]
-    return modes
-
-
-ASSISTED_MODES = ("hf-assisted", "hf-prompt-lookup")
-
-
-def pick_modes(patterns: list[str] | None, extras: Sequence[ExtraDraft] = ()) -> list[Mode]:
-    """Modes matching any of ``patterns`` (names or shell patterns), in the canonical order."""
-    modes = all_modes(extras)
-    if not patterns:
-        return modes
-    chosen = [m for m in modes if any(fnmatch.fnmatchcase(m.name, p) for p in patterns)]
-    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(m.name, p) for m in modes)]
-    if unmatched:
-        raise SystemExit(f"--modes: {unmatched} match no mode (modes: {', '.join(m.name for m in modes)})")
-    return chosen
-
-
-def rotation(modes: list[Any], shift: int) -> list[Any]:
-    """``modes`` rotated left by ``shift`` (the order of one prompt's runs)."""
-    if not modes:
-        return []
-    s = shift % len(modes)
-    return modes[s:] + modes[:s]
-
-
-# ---- machine description -------------------------------------------------------------------------
-
-def machine_info(threads: int | None = None) -> dict[str, Any]:
-    """The machine, the libraries and (when given) the compute threads of a run."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def pkg(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        cpu = platform.processor()
-    ram_gb = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                ram_gb = round(int(line.split()[1]) / 1024 / 1024, 1)
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu, "cores": os.cpu_count(), "ram_gb": ram_gb, "platform": platform.platform(),
-        "python": platform.python_version(), "torch": pkg("torch"), "transformers": pkg("transformers"),
-        "llama_cpp_python": pkg("llama_cpp_python"), "threads": threads,
-        "load_average_start": list(os.getloadavg()),
-    }
-    if threads is None:
-        del info["threads"]
-    return info
-
 
 # ---- running one mode --------------------------------------------------------------------------
 
@@ -206,10 +53,8 @@ class Harness:
 
     def __init__(self, generator: Any, urls: dict[str, str], max_tokens: int, threshold: float | None,
                  api_key: str | None = None) -> None:
-        import httpx
-
         self.generator, self.urls, self.max_tokens, self.threshold = generator, urls, max_tokens, threshold
-        self.http = httpx.Client(timeout=900, headers={"authorization": f"Bearer {api_key}"} if api_key else None)
+        self.http = sync_client(api_key)
 
     def run(self, mode: Mode, prompt: Prompt, prompt_ids: list[int], max_tokens: int | None = None) -> dict[str, Any]:
         n = max_tokens or self.max_tokens
@@ -220,13 +65,8 @@ class Harness:
         fields: dict[str, Any] = {"include_steps": True, **mode.body}
         if self.threshold is not None and mode.body.get("mode") != "autoregressive":
             fields["confidence_threshold"] = self.threshold
-        body = generate_body(prompt, n, **fields)
-        t0 = time.perf_counter()
-        r = self.http.post(self.urls[mode.stack] + "/v1/generate", json=body)
-        wall = (time.perf_counter() - t0) * 1e3
-        if r.status_code != 200:
-            raise RuntimeError(f"{mode.name} on {prompt.id}: HTTP {r.status_code}: {r.text[:500]}")
-        out = r.json()
+        out, wall = post_json(self.http, self.urls[mode.stack] + "/v1/generate", generate_body(prompt, n, **fields),
+                              f"{mode.name} on {prompt.id}")
         stats = out["stats"]
         ks = [s["k"] for s in out["steps"]]
         return {
@@ -348,7 +188,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def rerender(folder: Path) -> None:
     """Plots and results.md again from ``folder/results.json`` (after changing the renderers)."""
-    results = json.loads((folder / "results.json").read_text())
+    results = report.read_results(folder)
     results["summary"] = summarise(results["runs"], results["modes"], assisted=ASSISTED_MODES)
     results["draft_positions"] = draft_positions(results["runs"], results["modes"])
     plots = write_plots(results, folder)
@@ -369,59 +209,60 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("nothing to run: no modes or no prompts selected")
     t_start = time.perf_counter()
     started = datetime.now().isoformat(timespec="seconds")
-
-    from evaluation.hf import encode, explain_mismatch
-    from evaluation.procs import Stack
-
-    target, generator, assistant_desc, machine = _in_process(args, modes)
-    prompt_ids = {p.id: encode(target.tokenizer, p) for p in prompts}
-
-    stack = Stack(out / "logs")
-    harness = None
-    try:
-        urls = _stack_urls(args, modes, stack)
-        harness = Harness(generator, urls, args.max_tokens, args.confidence_threshold, args.api_key)
-        info = {}
-        for name, url in urls.items():
-            info[name] = harness.http.get(url + "/v1/info").json()
-
-        if not args.no_warmup:
-            from tqdm import tqdm
-
-            first = prompts[0]
-            for m in tqdm(modes, desc="warm-up", unit="mode", leave=False):
-                harness.run(m, first, prompt_ids[first.id], max_tokens=8)
-
-        runs = measure(harness, modes, prompts, prompt_ids, args.repeats)
-        machine["load_average_end"] = list(os.getloadavg())
-
-        mismatches = _compare_outputs(runs, prompts, prompt_ids, generator, target, args.max_tokens,
-                                      explain_mismatch)
-    finally:
-        if harness is not None:
-            harness.close()
-        stack.close()
-
-    summary = summarise(runs, [m.name for m in modes], assisted=ASSISTED_MODES)
-    positions = draft_positions(runs, [m.name for m in modes])
+    measured = _run_modes(args, out, modes, prompts)
+    names = [m.name for m in modes]
+    summary = summarise(measured["runs"], names, assisted=ASSISTED_MODES)
+    positions = draft_positions(measured["runs"], names)
     elapsed_s = time.perf_counter() - t_start
     results = {
-        "started": started, "duration_s": round(elapsed_s, 1), "command": command, "args": _jsonable(vars(args)),
+        "started": started, "duration_s": round(elapsed_s, 1), "command": command,
+        "args": report.args_record(args, drop=("api_key",)),
         "suite": {"version": SUITE_VERSION, "digest": suite_digest(), "prompts": [p.to_dict() for p in prompts]},
         "pair": {"target": args.target, "draft": args.draft, "draft_backend": args.draft_backend,
-                 "hf_assistant": assistant_desc, "services": info,
+                 "hf_assistant": measured["assistant"], "services": measured["info"],
                  "extra_drafts": [{"name": e.name, "model": e.model, "quant": e.quant} for e in args.extra_draft]},
-        "machine": machine, "max_tokens": args.max_tokens, "repeats": args.repeats,
-        "modes": [m.name for m in modes], "summary": summary, "draft_positions": positions, "mismatches": mismatches,
-        "runs": runs,
+        "machine": measured["machine"], "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "modes": names, "summary": summary, "draft_positions": positions, "mismatches": measured["mismatches"],
+        "runs": measured["runs"],
     }
-    write_results(out, results)
+    report.write_results(out, results)
     plots = write_plots(results, out)
     (out / "results.md").write_text(render_markdown(results, plots))
     logger.info("done in %.0f s: %s", elapsed_s, out)
     print(report.render_tables(summary))
     print(render_positions(positions))
     return 0
+
+
+def _run_modes(args: argparse.Namespace, out: Path, modes: list[Mode], prompts: list[Prompt]) -> dict[str, Any]:
+    """The target loaded here, the services started (or reached), every mode run on every prompt
+    (after an untimed warm-up each) and compared with hf-plain; every service stopped again.
+    Returns the runs, the mismatches, each orchestrator's /v1/info, the machine and the assistant."""
+    from evaluation.hf import encode, explain_mismatch
+    from evaluation.procs import Stack
+
+    target, generator, assistant_desc, machine = _in_process(args, modes)
+    prompt_ids = {p.id: encode(target.tokenizer, p) for p in prompts}
+    stack = Stack(out / "logs")
+    harness = None
+    try:
+        urls = _stack_urls(args, modes, stack)
+        harness = Harness(generator, urls, args.max_tokens, args.confidence_threshold, args.api_key)
+        info = {name: harness.http.get(url + "/v1/info").json() for name, url in urls.items()}
+        if not args.no_warmup:
+            from tqdm import tqdm
+
+            first = prompts[0]
+            for m in tqdm(modes, desc="warm-up", unit="mode", leave=False):
+                harness.run(m, first, prompt_ids[first.id], max_tokens=8)
+        runs = measure(harness, modes, prompts, prompt_ids, args.repeats)
+        machine["load_average_end"] = list(os.getloadavg())
+        mismatches = _compare_outputs(runs, prompts, prompt_ids, generator, target, args.max_tokens, explain_mismatch)
+    finally:
+        if harness is not None:
+            harness.close()
+        stack.close()
+    return {"runs": runs, "mismatches": mismatches, "info": info, "machine": machine, "assistant": assistant_desc}
 
 
 def _in_process(args: argparse.Namespace, modes: list[Mode]) -> tuple[Any, Any, str, dict[str, Any]]:
@@ -437,7 +278,7 @@ def _in_process(args: argparse.Namespace, modes: list[Mode]) -> tuple[Any, Any, 
     hf_logging.set_verbosity_error()
     in_process_threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(in_process_threads)
-    machine = machine_info(in_process_threads)
+    machine = report.machine_info(in_process_threads)
     machine["service_threads"] = args.threads or "service defaults"
     logger.info("loading target %s in this process (%d threads)", args.target, in_process_threads)
     target = load_hf(args.target)
@@ -575,11 +416,9 @@ def render_markdown(results: dict[str, Any], plots: dict[str, str], img_prefix: 
         f"Prompts: {len(results['suite']['prompts'])} of suite v{results['suite']['version']} "
         f"({results['suite']['digest']}), {results['max_tokens']} new tokens each (EOS ignored), "
         f"{results['repeats']} repeat(s), modes interleaved. Run took {results['duration_s'] / 60:.1f} min.", "",
-        f"Machine: {m['cores']} cores, {m['cpu']}, {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
-        f"{m['transformers']}, llama-cpp-python {m['llama_cpp_python']}, Python {m['python']}; "
-        f"{m['threads']} threads in-process, services: {m.get('service_threads', m['threads'])} threads; "
-        f"load average {_load(m.get('load_average_start'))} at the start, "
-        f"{_load(m.get('load_average_end'))} at the end.",
+        report.machine_line(m, f"torch {m['torch']}, transformers {m['transformers']}, llama-cpp-python "
+                               f"{m['llama_cpp_python']}, Python {m['python']}; {m['threads']} threads in-process, "
+                               f"services: {m.get('service_threads', m['threads'])} threads; "),
     ]
     extras = results["pair"].get("extra_drafts")
     if extras:
@@ -594,14 +433,6 @@ def render_markdown(results: dict[str, Any], plots: dict[str, str], img_prefix: 
     for name, file in plots.items():
         lines += [f"![{name}]({img_prefix}{file})", ""]
     return "\n".join(lines)
-
-
-def _load(values: list[float] | None) -> str:
-    return "/".join(f"{v:.1f}" for v in values) if values else "–"
-
-
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""The evaluation CLIs' one client of specdec's HTTP API, and how they record what they measured.
+"""The evaluation CLIs' one HTTP client: of specdec's API, and of llama-server's for the comparison.
 
+- :func:`sync_client`, :func:`async_client`: the httpx clients every command talks through
+  (an API key as ``Authorization: Bearer``, a connect timeout apart from the answer's);
+- :func:`post_json`: one request answered as a whole, timed on the client;
 - :func:`generate_body`: the ``/v1/generate`` (and ``/v1/generate/stream``) request for a prompt of
   the suite;
 - :func:`sse_events`: the events of a ``/v1/generate/stream`` response as they arrive;
-- :func:`first_difference`: where two generations of the same prompt part, token by token;
-- :func:`write_results`: a results file as strict JSON, which the ``--report-only`` re-renderers
-  read back.
+- :func:`retry_after`: the delay a 429 asks for;
+- :func:`first_difference`: where two generations of the same prompt part, token by token.
 
 Importable without httpx, torch or the services.
 """
@@ -13,15 +15,52 @@ Importable without httpx, torch or the services.
 from __future__ import annotations
 
 import json
-import math
+import time
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evaluation.prompts import Prompt
 
 if TYPE_CHECKING:
     import httpx
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+class RequestFailed(RuntimeError):
+    """A request answered with another status than 200; the message names it, the status and the
+    start of the body."""
+
+
+def _headers(api_key: str | None) -> dict[str, str] | None:
+    return {"authorization": f"Bearer {api_key}"} if api_key else None
+
+
+def sync_client(api_key: str | None = None, timeout_s: float = 900.0) -> httpx.Client:
+    """A blocking client: ``timeout_s`` for an answer (a whole generation), a few seconds to connect."""
+    import httpx
+
+    return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S), headers=_headers(api_key))
+
+
+def async_client(api_key: str | None = None, timeout_s: float = 600.0) -> httpx.AsyncClient:
+    """An asyncio client for many concurrent streams: no pool limit, since a request waiting for a
+    client-side connection would be latency the server never caused."""
+    import httpx
+
+    return httpx.AsyncClient(headers=_headers(api_key), timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+
+def post_json(http: httpx.Client, url: str, body: dict[str, Any], what: str) -> tuple[Any, float]:
+    """POST ``body`` as JSON to ``url``: (the answer's JSON, wall ms from sending to the whole
+    answer). RequestFailed, naming ``what``, on any status but 200."""
+    t0 = time.perf_counter()
+    r = http.post(url, json=body)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    if r.status_code != 200:
+        raise RequestFailed(f"{what}: HTTP {r.status_code}: {r.text[:500]}")
+    return r.json(), wall_ms
 
 
 def generate_body(prompt: Prompt, max_tokens: int, **fields: Any) -> dict[str, Any]:
@@ -57,6 +96,14 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, dict[
             event, data = None, []
 
 
+def retry_after(value: str | None) -> float | None:
+    """Seconds of a Retry-After header (None when absent or an HTTP date, which this server never sends)."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first position where the two id sequences differ; when one is a prefix of the
     other, the shorter one's length (where it ends); None when they are equal."""
@@ -64,22 +111,3 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def finite(o: Any) -> Any:
-    """``o`` with NaN and infinities as None, in nested dicts, lists and tuples (strict JSON)."""
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: finite(v) for k, v in o.items()}
-    if isinstance(o, list | tuple):
-        return [finite(v) for v in o]
-    return o
-
-
-def write_results(out_dir: Path, results: Any, name: str = "results.json") -> Path:
-    """Write ``results`` to ``out_dir/name`` as strict JSON (NaN and infinities as null, anything
-    else JSON has no type for, such as a Path, as its str), indented by 1; returns the path."""
-    path = Path(out_dir) / name
-    path.write_text(json.dumps(finite(results), indent=1, default=str, allow_nan=False))
-    return path

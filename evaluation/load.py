@@ -41,7 +41,6 @@ import logging
 import os
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -51,10 +50,10 @@ from typing import Any
 import httpx
 
 from evaluation import report
-from evaluation.bench import machine_info, rotation
-from evaluation.client import first_difference, generate_body, sse_events, write_results
+from evaluation.client import async_client, first_difference, generate_body, retry_after, sse_events
+from evaluation.modes import rotation
 from evaluation.prompts import CATEGORIES, SUITE_PATH, SUITE_VERSION, Prompt, load_suite, select, suite_digest
-from evaluation.stats import percentile
+from evaluation.stats import add_ratios, poisson_arrivals, summarise_run
 
 # Not __name__: run as ``python -m evaluation.load`` that would be "__main__".
 logger = logging.getLogger("evaluation.load")
@@ -81,135 +80,6 @@ class LoadPoint:
         return f"N={self.value:g}" if self.loop == "closed" else f"{self.value:g} req/s"
 
 
-# ---- pure statistics ------------------------------------------------------------------------------
-
-def step_gaps(arrivals: Sequence[tuple[float, int]]) -> list[tuple[float, float, int]]:
-    """(arrival, gap, tokens) of each delivery of one request after its first.
-
-    ``arrivals``: (time in s, tokens carried) of the request's step events, in order. A step that
-    carried no token delivers nothing, so its wait joins the next delivery's gap. The first
-    delivery is the TTFT's, not an inter-token gap.
-    """
-    out: list[tuple[float, float, int]] = []
-    last = None
-    for t, n in arrivals:
-        if n <= 0:
-            continue
-        if last is not None:
-            out.append((t, t - last, n))
-        last = t
-    return out
-
-
-def itl_per_token(gaps: Sequence[tuple[float, float, int]]) -> list[float]:
-    """One ITL sample per token: a gap g that delivered n tokens counts as n gaps of g/n."""
-    return [g / n for _, g, n in gaps for _ in range(n)]
-
-
-def quantiles(values: Sequence[float]) -> dict[str, float | None]:
-    """p50, p90, p99 (linear interpolation) and mean of ``values``; None for each when there are none."""
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
-    return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
-            "mean": sum(values) / len(values), "n": len(values)}
-
-
-def batch_means(batches: Sequence[tuple[float, float]]) -> tuple[float | None, float | None]:
-    """Mean sessions and mean token rows per target forward, from the (batch_sessions, batch_rows)
-    of step events.
-
-    A forward shared by s sessions shows up in the step events of all s, so each event weighs 1/s:
-    forwards = Σ 1/s, sessions per forward = events / forwards, rows per forward = Σ rows/s / forwards.
-    Exact when every session of a forward is one of the measured requests.
-    """
-    forwards = sum(1 / s for s, _ in batches)
-    if not forwards:
-        return None, None
-    return len(batches) / forwards, sum(r / s for s, r in batches) / forwards
-
-
-def summarise_run(records: Sequence[dict[str, Any]], window: tuple[float, float]) -> dict[str, Any]:
-    """Statistics of one run from its request records (see :meth:`LoadClient.request`); ``window``
-    is (start, end) in seconds since the run started. Latencies in ms."""
-    lo, hi = window
-    tokens = drafted = accepted = 0
-    ks: list[int] = []
-    gaps: list[tuple[float, float, int]] = []
-    batches: list[tuple[float, float]] = []
-    for r in records:
-        for s in r["steps"]:
-            if lo <= s["t"] <= hi:
-                tokens += s["n"]
-                ks.append(s["k"])
-                drafted += s["drafted"]
-                accepted += s["accepted"]
-                if s.get("batch_sessions") and s.get("batch_rows"):
-                    batches.append((s["batch_sessions"], s["batch_rows"]))
-        gaps += [g for g in step_gaps([(s["t"], s["n"]) for s in r["steps"]]) if lo <= g[0] <= hi]
-    done = [r for r in records if r["status"] == 200 and r["end"] is not None]
-    ttft, e2e, speed = [], [], []
-    for r in done:
-        first = next((s["t"] for s in r["steps"] if s["n"] > 0), None)
-        if first is not None:
-            ttft.append(first - r["start"])
-        e2e.append(r["end"] - r["start"])
-        if r["end"] > r["start"]:
-            speed.append(sum(s["n"] for s in r["steps"]) / (r["end"] - r["start"]))
-    server = [r["server"] for r in done if r.get("server")]
-    server_speed = [x["tokens"] / x["elapsed_ms"] * 1e3 for x in server if x.get("tokens") and x.get("elapsed_ms")]
-    iterations = sum(x.get("iterations", 0) for x in server)
-    compared = [r for r in done if r.get("identical") is not None]
-    sessions, rows = batch_means(batches)
-    return {
-        "requests": len(records), "completed": len(done), "failed": len(records) - len(done),
-        "errors": dict(sorted(Counter(e for r in records for e in r["errors"]).items())),
-        "retries": sum(r["attempts"] - 1 for r in records),
-        "window_s": hi - lo, "tokens": tokens, "tokens_per_second": tokens / (hi - lo) if hi > lo else None,
-        "request_tokens_per_second": quantiles(speed),
-        "ttft_ms": quantiles([x * 1e3 for x in ttft]),
-        "itl_ms": quantiles([x * 1e3 for x in itl_per_token(gaps)]),
-        "step_gap_ms": quantiles([g * 1e3 for _, g, _ in gaps]),
-        "e2e_ms": quantiles([x * 1e3 for x in e2e]),
-        "server_tokens_per_second": quantiles(server_speed),
-        "verify_compute_ms_per_iteration": (sum(x.get("verify_compute_ms", 0.0) for x in server) / iterations
-                                            if iterations else None),
-        "steps": len(ks), "mean_k": sum(ks) / len(ks) if ks else None,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "batch_steps": len(batches), "batch_sessions": sessions, "batch_rows": rows,
-        "compared": len(compared), "mismatches": sum(not r["identical"] for r in compared),
-        "mismatched_prompts": sorted({r["prompt_id"] for r in compared if not r["identical"]}),
-    }
-
-
-def add_ratios(runs: Sequence[dict[str, Any]]) -> None:
-    """Set ``vs_n1`` (aggregate tok/s over the same mode's at N=1, closed loop) and
-    ``vs_autoregressive`` (over autoregressive at the same load point) in every run's summary."""
-    tps = {(r["loop"], r["load"], r["mode"]): r["summary"]["tokens_per_second"] for r in runs}
-    for r in runs:
-        s, own = r["summary"], r["summary"]["tokens_per_second"]
-        base = tps.get(("closed", 1, r["mode"])) if r["loop"] == "closed" else None
-        ar = tps.get((r["loop"], r["load"], "autoregressive")) if r["mode"] != "autoregressive" else None
-        s["vs_n1"] = own / base if own and base else None
-        s["vs_autoregressive"] = own / ar if own and ar else None
-
-
-def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
-    """Arrival times (s) in [0, duration) of a Poisson process with ``rate`` arrivals per second."""
-    times, t = [], rng.expovariate(rate)
-    while t < duration:
-        times.append(t)
-        t += rng.expovariate(rate)
-    return times
-
-
-def retry_after(value: str | None) -> float | None:
-    """Seconds of a Retry-After header (None when absent or an HTTP date, which this server never sends)."""
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
-
-
 # ---- the client -------------------------------------------------------------------------------------
 
 def step_record(t: float, data: dict[str, Any]) -> dict[str, Any]:
@@ -231,11 +101,6 @@ class LoadClient:
         self.http, self.url, self.prompts = http, url, list(prompts)
         self.max_tokens, self.temperature, self.speculation = max_tokens, temperature, speculation
 
-    def body(self, prompt: Prompt, mode: str, max_tokens: int | None = None) -> dict[str, Any]:
-        speculation = self.speculation if mode == "speculative" else {}
-        return generate_body(prompt, max_tokens or self.max_tokens, temperature=self.temperature, mode=mode,
-                             **speculation)
-
     async def request(self, prompt: Prompt, mode: str, t0: float, deadline: float | None,
                       max_tokens: int | None = None) -> dict[str, Any]:
         """One generation, retried after a 429's Retry-After while that ends before ``deadline``
@@ -248,7 +113,8 @@ class LoadClient:
         """
         rec: dict[str, Any] = {"prompt_id": prompt.id, "start": round(time.perf_counter() - t0, 4), "end": None,
                                "status": None, "errors": [], "attempts": 0, "steps": [], "token_ids": None}
-        body = self.body(prompt, mode, max_tokens)
+        body = generate_body(prompt, max_tokens or self.max_tokens, temperature=self.temperature, mode=mode,
+                             **(self.speculation if mode == "speculative" else {}))
         while True:
             rec["attempts"] += 1
             wait = None
@@ -329,17 +195,6 @@ class LoadClient:
 
 # ---- the benchmark -------------------------------------------------------------------------------
 
-def parse_list(text: str, kind: type) -> list[Any]:
-    """'1,2,4' -> [1, 2, 4]; '' -> []."""
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of {kind.__name__}: {text!r}") from exc
-    if any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"every value must be positive: {text!r}")
-    return values
-
-
 def parse_env(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -350,16 +205,16 @@ def parse_env(text: str) -> tuple[str, str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m evaluation.load", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--concurrency", type=lambda s: parse_list(s, int), default=[1, 2, 4, 8, 16, 32],
+    p.add_argument("--concurrency", type=lambda s: report.numbers(s, int), default=[1, 2, 4, 8, 16, 32],
                    help="closed loop: comma-separated numbers of clients (default 1,2,4,8,16,32; '' for none)")
-    p.add_argument("--rates", type=lambda s: parse_list(s, float), default=[],
+    p.add_argument("--rates", type=report.numbers, default=[],
                    help="open loop: comma-separated Poisson arrival rates in requests/s (default: none)")
     p.add_argument("--duration", type=float, default=30, help="seconds of arrivals per run (default 30)")
     p.add_argument("--requests", type=int, default=None,
                    help="closed loop: requests per client instead of --duration")
     p.add_argument("--warmup", type=float, default=5,
                    help="seconds at the start of each run left out of the aggregate tok/s and step statistics (default 5)")
-    p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(MODES),
+    p.add_argument("--modes", type=report.names, default=list(MODES),
                    help="comma-separated: speculative, autoregressive (default both)")
     p.add_argument("--max-tokens", type=int, default=48, help="new tokens per request, EOS ignored (default 48)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
@@ -399,12 +254,7 @@ async def run_benchmark(args: argparse.Namespace, url: str, prompts: list[Prompt
     """Warm-up, every (load point, mode) run, then the autoregressive references and the equality
     check. ``check()`` (optional) raises when a started service has died."""
     speculation = {k: v for k, v in (("controller", args.controller), ("k", args.k), ("max_k", args.max_k)) if v is not None}
-    points = load_points(args)
-    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else None
-    # no pool limit: a request waiting for a client-side connection would be latency the server never caused
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    timeout = httpx.Timeout(args.timeout, connect=10)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as http:
+    async with async_client(args.api_key, args.timeout) as http:
         info = (await http.get(url + "/v1/info")).json()
         client = LoadClient(http, url, prompts, args.max_tokens, args.temperature, speculation)
         # one short request per mode first, so no run pays for cold caches or first-call set-up
@@ -412,58 +262,78 @@ async def run_benchmark(args: argparse.Namespace, url: str, prompts: list[Prompt
             rec = await client.request(prompts[0], mode, time.perf_counter(), None, max_tokens=8)
             if rec["status"] != 200:
                 raise SystemExit(f"warm-up request ({mode}) failed: {rec['errors']} {rec.get('detail', '')}")
-
+        points = load_points(args)
         order = [(point, mode) for i, point in enumerate(points) for mode in rotation(args.modes, i)]
-        runs: list[dict[str, Any]] = []
+        runs = []
         for j, (point, mode) in enumerate(order, 1):
-            what = f"run {j}/{len(order)}: {mode} {point.label}"
-            logger.info("%s ...", what)
-            t = time.perf_counter()
-            if point.loop == "closed":
-                records, window = await client.closed_loop(mode, int(point.value), None if args.requests else args.duration,
-                                                           args.requests, args.warmup)
-            else:
-                records, window = await client.open_loop(mode, point.value, args.duration, args.warmup, args.seed)
+            runs.append(await _run_point(client, args, point, mode, f"run {j}/{len(order)}: {mode} {point.label}"))
             if check is not None:
                 check()
-            s = summarise_run(records, window)
-            # on a shared machine the load average says how far to trust a run's absolute numbers
-            load_average = os.getloadavg()[0]
-            logger.info("%s: %s tok/s, ITL p50/p99 %s/%s ms, TTFT p50 %s ms, %d/%d requests completed, errors %s "
-                        "(%.0f s, load average %.1f)", what, report.fmt(s["tokens_per_second"]),
-                        report.fmt(s["itl_ms"]["p50"]), report.fmt(s["itl_ms"]["p99"]), report.fmt(s["ttft_ms"]["p50"], 0),
-                        s["completed"], s["requests"], s["errors"] or "none", time.perf_counter() - t, load_average)
-            runs.append({"mode": mode, "loop": point.loop, "load": point.value, "label": point.label,
-                         "window": list(window), "load_average": load_average, "requests": records})
-
-        references: dict[str, list[int]] = {}
-        if args.temperature == 0:  # sampled outputs have no single reference
-            used = sorted({r["prompt_id"] for run in runs for r in run["requests"]})
-            logger.info("autoregressive references for the %d prompts used, one request at a time", len(used))
-            by_id = {p.id: p for p in prompts}
-            for pid in used:
-                rec = await client.request(by_id[pid], "autoregressive", time.perf_counter(), None)
-                if rec["status"] == 200:
-                    references[pid] = rec["token_ids"]
-                else:
-                    logger.warning("reference for %s failed: %s", pid, rec["errors"])
-        mismatches = []
-        for run in runs:
-            for r in run["requests"]:
-                ref = references.get(r["prompt_id"])
-                if ref is None or r["status"] != 200:
-                    r["identical"] = None
-                else:
-                    # a `done` without ids differs from the reference at once
-                    pos = first_difference(ref, r["token_ids"]) if r["token_ids"] is not None else 0
-                    r["identical"] = pos is None
-                    if pos is not None:
-                        mismatches.append({"mode": run["mode"], "load": run["label"], "prompt_id": r["prompt_id"],
-                                           "position": pos})
-                del r["token_ids"]  # the reference says what they are, or the mismatch list where they differ
-            run["summary"] = summarise_run(run["requests"], tuple(run["window"]))
-        add_ratios(runs)
+        references = await _references(client, args, runs, prompts)
+    mismatches = _check_equality(runs, references)
+    add_ratios(runs)
     return {"info": info, "runs": runs, "references": references, "mismatches": mismatches}
+
+
+async def _run_point(client: LoadClient, args: argparse.Namespace, point: LoadPoint, mode: str,
+                     what: str) -> dict[str, Any]:
+    """One run: ``mode`` at one load point, with its records and the measurement window."""
+    logger.info("%s ...", what)
+    t = time.perf_counter()
+    if point.loop == "closed":
+        records, window = await client.closed_loop(mode, int(point.value), None if args.requests else args.duration,
+                                                   args.requests, args.warmup)
+    else:
+        records, window = await client.open_loop(mode, point.value, args.duration, args.warmup, args.seed)
+    s = summarise_run(records, window)
+    # on a shared machine the load average says how far to trust a run's absolute numbers
+    load_average = os.getloadavg()[0]
+    logger.info("%s: %s tok/s, ITL p50/p99 %s/%s ms, TTFT p50 %s ms, %d/%d requests completed, errors %s "
+                "(%.0f s, load average %.1f)", what, report.fmt(s["tokens_per_second"]),
+                report.fmt(s["itl_ms"]["p50"]), report.fmt(s["itl_ms"]["p99"]), report.fmt(s["ttft_ms"]["p50"], 0),
+                s["completed"], s["requests"], s["errors"] or "none", time.perf_counter() - t, load_average)
+    return {"mode": mode, "loop": point.loop, "load": point.value, "label": point.label,
+            "window": list(window), "load_average": load_average, "requests": records}
+
+
+async def _references(client: LoadClient, args: argparse.Namespace, runs: list[dict[str, Any]],
+                      prompts: list[Prompt]) -> dict[str, list[int]]:
+    """Each prompt the runs used, generated once more alone in autoregressive mode (greedy runs
+    only: sampled outputs have no single reference)."""
+    references: dict[str, list[int]] = {}
+    if args.temperature != 0:
+        return references
+    used = sorted({r["prompt_id"] for run in runs for r in run["requests"]})
+    logger.info("autoregressive references for the %d prompts used, one request at a time", len(used))
+    by_id = {p.id: p for p in prompts}
+    for pid in used:
+        rec = await client.request(by_id[pid], "autoregressive", time.perf_counter(), None)
+        if rec["status"] == 200:
+            references[pid] = rec["token_ids"]
+        else:
+            logger.warning("reference for %s failed: %s", pid, rec["errors"])
+    return references
+
+
+def _check_equality(runs: list[dict[str, Any]], references: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """Mark every completed request ``identical`` to its prompt's reference or not (None without
+    one), drop its ids and summarise each run; returns the mismatches."""
+    mismatches = []
+    for run in runs:
+        for r in run["requests"]:
+            ref = references.get(r["prompt_id"])
+            if ref is None or r["status"] != 200:
+                r["identical"] = None
+            else:
+                # a `done` without ids differs from the reference at once
+                pos = first_difference(ref, r["token_ids"]) if r["token_ids"] is not None else 0
+                r["identical"] = pos is None
+                if pos is not None:
+                    mismatches.append({"mode": run["mode"], "load": run["label"], "prompt_id": r["prompt_id"],
+                                       "position": pos})
+            del r["token_ids"]  # the reference says what they are, or the mismatch list where they differ
+        run["summary"] = summarise_run(run["requests"], tuple(run["window"]))
+    return mismatches
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,8 +345,30 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now().isoformat(timespec="seconds")
     t_start = time.perf_counter()
     # the benchmark runs no model itself, so the in-process thread count means nothing here
-    machine = machine_info()
+    machine = report.machine_info()
+    measured = _measure(args, out, prompts)
+    machine["load_average_end"] = list(os.getloadavg())
 
+    results = {
+        "started": started, "duration_s": round(time.perf_counter() - t_start, 1), "command": command,
+        "args": report.args_record(args, drop=("api_key",)),
+        "url": args.url, "services": measured["info"], "machine": machine,
+        "suite": {"path": str(args.prompts_file), "version": SUITE_VERSION if args.prompts_file == SUITE_PATH else None,
+                  "digest": suite_digest(args.prompts_file), "prompts": [p.id for p in prompts]},
+        "settings": {"max_tokens": args.max_tokens, "temperature": args.temperature, "duration_s": args.duration,
+                     "requests_per_client": args.requests, "warmup_s": args.warmup, "modes": args.modes},
+        "mismatches": measured["mismatches"], "references": measured["references"], "runs": measured["runs"],
+    }
+    report.write_results(out, results)
+    plot = plot_throughput_latency(results["runs"], out / "throughput_vs_itl.png")
+    (out / "results.md").write_text(render_markdown(results, plot.name if plot else None))
+    logger.info("done in %.0f s: %s", results["duration_s"], out)
+    print(render_tables(results["runs"]))
+    return 0
+
+
+def _measure(args: argparse.Namespace, out: Path, prompts: list[Prompt]) -> dict[str, Any]:
+    """:func:`run_benchmark` against ``--url``, or against the stack started here (stopped after)."""
     from evaluation.procs import Stack
 
     stack = Stack(out / "logs")
@@ -490,27 +382,9 @@ def main(argv: list[str] | None = None) -> int:
             target_port = stack.model_service("target", "target", env)
             draft_port = stack.model_service("draft", "draft", env)
             url, check = stack.orchestrator("orchestrator", draft_port, target_port, env), stack.check
-        measured = asyncio.run(run_benchmark(args, url, prompts, check))
+        return asyncio.run(run_benchmark(args, url, prompts, check))
     finally:
         stack.close()
-    machine["load_average_end"] = list(os.getloadavg())
-
-    results = {
-        "started": started, "duration_s": round(time.perf_counter() - t_start, 1), "command": command,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"},
-        "url": args.url, "services": measured["info"], "machine": machine,
-        "suite": {"path": str(args.prompts_file), "version": SUITE_VERSION if args.prompts_file == SUITE_PATH else None,
-                  "digest": suite_digest(args.prompts_file), "prompts": [p.id for p in prompts]},
-        "settings": {"max_tokens": args.max_tokens, "temperature": args.temperature, "duration_s": args.duration,
-                     "requests_per_client": args.requests, "warmup_s": args.warmup, "modes": args.modes},
-        "mismatches": measured["mismatches"], "references": measured["references"], "runs": measured["runs"],
-    }
-    write_results(out, results)
-    plot = plot_throughput_latency(results["runs"], out / "throughput_vs_itl.png")
-    (out / "results.md").write_text(render_markdown(results, plot.name if plot else None))
-    logger.info("done in %.0f s: %s", results["duration_s"], out)
-    print(render_tables(results["runs"]))
-    return 0
 
 
 # ---- output ---------------------------------------------------------------------------------------
@@ -579,9 +453,7 @@ def render_markdown(results: dict[str, Any], plot: str | None) -> str:
         f"Requests: {st['max_tokens']} new tokens (EOS ignored), temperature {st['temperature']:g}, "
         f"{len(suite['prompts'])} prompts of {suite_name} ({suite['digest']}) in turn; {length}, the first {st['warmup_s']:g} s "
         f"left out of tok/s and the step statistics. Run took {results['duration_s'] / 60:.1f} min.", "",
-        f"Machine: {m['cores']} cores, {m['cpu']}, {m['ram_gb']} GB RAM; load average "
-        f"{'/'.join(f'{v:.1f}' for v in m['load_average_start'])} at the start, "
-        f"{'/'.join(f'{v:.1f}' for v in m['load_average_end'])} at the end.", "",
+        report.machine_line(m), "",
         render_tables(results["runs"]), "### Token equality", "",
     ]
     if results["mismatches"]:
@@ -606,12 +478,7 @@ def plot_throughput_latency(runs: Sequence[dict[str, Any]], path: Path) -> Path 
             lines.setdefault(f"{r['mode']} ({r['loop']} loop)", []).append((x, y, r["label"]))
     if not lines:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = report.figure(7, 4.5)
     for name, pts in lines.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
         for x, y, label in pts:
@@ -621,10 +488,7 @@ def plot_throughput_latency(runs: Sequence[dict[str, Any]], path: Path) -> Path 
     ax.set_title("Throughput against latency")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_plot(fig, path)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draft_service.backends.ngram import find_continuation
+from evaluation import report
 
 
 @dataclass
@@ -78,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = encode(tokenizer, prompts[r["prompt_id"]])
         sequences.append((len(prompt_ids), prompt_ids + r["token_ids"]))
     print(f"{len(runs)} generations, {sum(len(s) - n for n, s in sequences)} output tokens, k = {args.k}\n")
-    print("| shortest n-gram | target passes | lookups that matched | tokens accepted | accepted per match |")
-    print("|---:|---:|---:|---:|---:|")
-    for n in args.min_ngram:
-        total = sum((walk(seq, start, args.k, n, max(n, args.max_ngram)) for start, seq in sequences), LookupCount())
-        print(f"| {n} | {total.positions} | {total.matched} | {total.accepted} | {total.accepted_per_match:.2f} |")
+    totals = [{"n": n, "count": sum((walk(seq, start, args.k, n, max(n, args.max_ngram)) for start, seq in sequences),
+                                    LookupCount())} for n in args.min_ngram]
+    print(report.markdown_table(totals, [
+        ("shortest n-gram", lambda t: str(t["n"])), ("target passes", lambda t: str(t["count"].positions)),
+        ("lookups that matched", lambda t: str(t["count"].matched)), ("tokens accepted", lambda t: str(t["count"].accepted)),
+        ("accepted per match", lambda t: f"{t['count'].accepted_per_match:.2f}")]))
     return 0
 
 

@@ -32,14 +32,11 @@ from __future__ import annotations
 import argparse
 import logging
 import random
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from evaluation import report
-from evaluation.client import write_results
 
 logger = logging.getLogger("evaluation.pairprice")
 
@@ -92,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "random:distilgpt2@llamacpp:q4_k_m", "target@llamacpp:q8_0", "target@llamacpp:q4_0")],
                    help="drafts, MODEL@BACKEND[:QUANT] (default: DistilGPT-2 on transformers, on specdec.native at "
                         "q8_0 and on llama.cpp at f16 q8_0 q4_0 q4_k_m, and the target itself at q8_0 and q4_0)")
-    p.add_argument("--acceptances", type=lambda s: [float(x) for x in s.split(",")], default=list(ACCEPTANCES),
+    p.add_argument("--acceptances", type=lambda s: report.numbers(s, positive=False, empty=False), default=list(ACCEPTANCES),
                    help="per-token acceptance rates to project (default 0.6,0.7,0.8,0.9,0.95)")
     p.add_argument("--max-k", type=int, default=12, help="longest draft priced (default 12)")
     p.add_argument("--context", type=int, default=200, help="cached tokens before each measured step (default 200)")
@@ -107,10 +104,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 1 <= args.max_k <= 31:
         p.error("--max-k must be 1 to 31 (the target engine verifies up to 32 draft tokens)")
     return args
-
-
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(1000, 20000) for _ in range(n)]
 
 
 def target_costs(target: str, rows: list[int], context: int, repeats: int, quant: str | None = None
@@ -153,38 +146,22 @@ def make_proposer(spec: DraftSpec, target: str, max_draft: int):
 
 def draft_cost(proposer, context: int, repeats: int) -> float:
     """Median ms of a one-token draft step after ``context`` tokens (the prefill not counted)."""
-    rng = random.Random(1)
-    job = proposer.prepare("d", _ids(rng, context), repeats + 2)
-    while not job.drafted:  # the prefill (in chunks) and the first token
-        proposer.step([job])
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        proposer.step([job])
-        times.append((time.perf_counter() - t) * 1e3)
-    proposer.release("d")
-    return statistics.median(times)
+    from evaluation.batchcost import draft_step_ms, random_ids
+
+    return draft_step_ms(proposer, [proposer.prepare("d", random_ids(random.Random(1), context), repeats + 2)], repeats)
 
 
-def llama_bench_costs(llama_dir: Path, model: Path, rows: list[int] | None, context: int, threads: int
-                      ) -> dict[int, float]:
+def llama_bench_costs(llama_dir: Path, model: Path, rows: list[int] | None, context: int, threads: int,
+                      log: Path) -> dict[int, float]:
     """llama-bench's ms per eval of each row count in ``rows`` (None: one generated token, the
-    draft's step) after ``context`` tokens of depth, on ``threads`` threads."""
-    import json
-    import subprocess
+    draft's step) after ``context`` tokens of depth, on ``threads`` threads; its output in ``log``."""
+    from evaluation.llamacpp import llama_bench_command, parse_llama_bench_rows, run_step
 
-    cmd = [str(llama_dir / "bin" / "llama-bench"), "-m", str(model), "-t", str(threads), "-d", str(context),
-           "-r", "5", "-o", "json"]
-    cmd += ["-p", ",".join(map(str, rows)), "-n", "0"] if rows else ["-p", "0", "-n", "32"]
+    cmd = llama_bench_command(llama_dir / "bin" / "llama-bench", model, threads, rows or 0, 0 if rows else 32,
+                              depth=context, repetitions=5)
     logger.info("llama-bench: %s", " ".join(cmd[1:]))
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"llama-bench failed ({done.returncode}): {done.stderr[-1500:]}")
-    out = {}
-    for r in json.loads(done.stdout):
-        n = r.get("n_prompt") or 0
-        out[n or 1] = 1e3 * (n or 1) / float(r["avg_ts"])
-    return out
+    stdout = run_step(cmd, "llama-bench", log, timeout_s=1800, capture=True)
+    return {(r["n_prompt"] or 1): r["ms_per_eval"] for r in parse_llama_bench_rows(stdout)}
 
 
 def projected_speedup(verify_ms: dict[int, float], draft_token_ms: float, acceptance: float, max_k: int
@@ -210,49 +187,57 @@ def projected_speedup(verify_ms: dict[int, float], draft_token_ms: float, accept
 
 def render(args: argparse.Namespace, verify_ms: dict[int, float], drafts: dict[str, float],
            projection: dict[str, dict[float, tuple[float, int]]], llama: dict[str, Any] | None = None) -> str:
-    plain = verify_ms[1]
-    passes = {"specdec": verify_ms, **({"llama.cpp": llama["verify_ms"]} if llama else {})}
-    heads = " | ".join(f"{q} row{'s' if q > 1 else ''}" for q in verify_ms)
-    lines = ["Target passes (ms):", "", f"| engine | {heads} |", "|---|" + "---:|" * len(verify_ms)]
-    for engine, by_rows in passes.items():
-        lines.append(f"| {engine} | " + " | ".join(report.fmt(by_rows[q]) if q in by_rows else "–" for q in verify_ms)
-                     + " |")
-    head = ["engine", "draft", "ms per token", "÷ target step", *(f"a = {a:g}" for a in args.acceptances)]
-    lines += ["", "Projected speedup over the engine's own plain decoding (best k), and tokens/s, by per-token "
-              "acceptance a:", "", "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
-    rows = [("specdec", plain, label, ms, projection[label]) for label, ms in drafts.items()]
+    passes = [{"engine": "specdec", "ms": verify_ms}, *([{"engine": "llama.cpp", "ms": llama["verify_ms"]}] if llama else [])]
+    pass_columns: list[tuple[str, report.Cell]] = [("engine", lambda r: r["engine"])]
+    pass_columns += [(f"{q} row{'s' if q > 1 else ''}", lambda r, q=q: report.fmt(r["ms"][q]) if q in r["ms"] else "–")
+                     for q in verify_ms]
+    rows = [{"engine": "specdec", "step_ms": verify_ms[1], "label": label, "ms": ms, "by_a": projection[label]}
+            for label, ms in drafts.items()]
     if llama:
-        rows += [("llama.cpp", llama["verify_ms"][1], label, ms, llama["projection"][label])
-                 for label, ms in llama["draft_token_ms"].items()]
-    for engine, step_ms, label, ms, by_a in rows:
-        cells = [engine, f"`{label}`", report.fmt(ms), f"{ms / step_ms:.2f}",
-                 *(f"{s:.2f}× (k={k}), {1e3 * s / step_ms:.1f} tok/s" for s, k in by_a.values())]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows += [{"engine": "llama.cpp", "step_ms": llama["verify_ms"][1], "label": label, "ms": ms,
+                  "by_a": llama["projection"][label]} for label, ms in llama["draft_token_ms"].items()]
+
+    def at(a: float) -> report.Cell:
+        def cell(r: dict[str, Any]) -> str:
+            s, k = r["by_a"][a]
+            return f"{s:.2f}× (k={k}), {1e3 * s / r['step_ms']:.1f} tok/s"
+        return cell
+
+    columns: list[tuple[str, report.Cell]] = [
+        ("engine", lambda r: r["engine"]), ("draft", lambda r: f"`{r['label']}`"),
+        ("ms per token", lambda r: report.fmt(r["ms"])), ("÷ target step", lambda r: f"{r['ms'] / r['step_ms']:.2f}"),
+        *((f"a = {a:g}", at(a)) for a in args.acceptances)]
+    return "\n".join(["Target passes (ms):", "", report.markdown_table(passes, pass_columns), "",
+                      "Projected speedup over the engine's own plain decoding (best k), and tokens/s, by per-token "
+                      "acceptance a:", "", report.markdown_table(rows, columns)])
 
 
-def measure_llama(args: argparse.Namespace, target: str) -> dict[str, Any]:
+def measure_llama(args: argparse.Namespace, target: str, log_dir: Path) -> dict[str, Any]:
     """llama.cpp's own pair, priced as specdec's: its verify curve on the target's file and its
-    step on each llamacpp draft's file (llama-bench), projected with the same cost model."""
+    step on each llamacpp draft's file (llama-bench, its output under ``log_dir``), projected with
+    the same cost model. SystemExit when llama.cpp cannot be built or run."""
     import os
 
     from evaluation.batchcost import resolve_target
-    from evaluation.peer import build_llama, check_llama_dir
+    from evaluation.llamacpp import PeerError, build_llama, check_llama_dir
     from specdec.model.gguf_convert import draft_gguf
     from specdec.settings import default_cache_dir
     from target_service.verify import target_gguf
 
-    folder = build_llama() if args.llama_bench == "build" else Path(args.llama_bench)
-    check_llama_dir(folder)
-    threads = args.threads or len(os.sched_getaffinity(0))
-    target_file = target_gguf(target, args.target_quant, default_cache_dir())
-    verify = llama_bench_costs(folder, target_file, list(range(1, args.max_k + 2)), args.context, threads)
-    drafts = {}
-    for spec in args.drafts:
-        if spec.backend != "llamacpp":
-            continue
-        path = draft_gguf(resolve_target(spec.model), target, spec.quant, default_cache_dir())
-        drafts[spec.label] = llama_bench_costs(folder, path, None, args.context, threads)[1]
+    try:
+        folder = build_llama() if args.llama_bench == "build" else Path(args.llama_bench)
+        check_llama_dir(folder)
+        threads = args.threads or len(os.sched_getaffinity(0))
+        target_file = target_gguf(target, args.target_quant, default_cache_dir())
+        verify = llama_bench_costs(folder, target_file, list(range(1, args.max_k + 2)), args.context, threads,
+                                   log_dir / "llama-bench-target.log")
+        drafts = {}
+        for i, spec in enumerate(s for s in args.drafts if s.backend == "llamacpp"):
+            path = draft_gguf(resolve_target(spec.model), target, spec.quant, default_cache_dir())
+            drafts[spec.label] = llama_bench_costs(folder, path, None, args.context, threads,
+                                                   log_dir / f"llama-bench-draft-{i}.log")[1]
+    except PeerError as exc:
+        raise SystemExit(str(exc)) from None
     projection = {label: {a: projected_speedup(verify, ms, a, args.max_k) for a in args.acceptances}
                   for label, ms in drafts.items()}
     return {"verify_ms": verify, "draft_token_ms": drafts, "projection": projection, "llama_dir": str(folder)}
@@ -278,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         del proposer
     projection = {label: {a: projected_speedup(verify_ms, ms, a, args.max_k) for a in args.acceptances}
                   for label, ms in drafts.items()}
-    llama = measure_llama(args, target) if args.llama_bench else None
+    llama = measure_llama(args, target, out) if args.llama_bench else None
     table = render(args, verify_ms, drafts, projection, llama)
     results: dict[str, Any] = {
         "command": command, "target": args.target, "verify_ms": verify_ms, "draft_token_ms": drafts,
@@ -288,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         **({"llama_cpp": {**llama, "projection": {label: {str(a): {"speedup": s, "k": k} for a, (s, k) in by_a.items()}
                                                   for label, by_a in llama["projection"].items()}}} if llama else {}),
     }
-    write_results(out, results)
-    (out / "results.md").write_text(f"# Pair prices\n\nCommand: `{command}`\n\n{table}\n")
+    report.write_report(out, results, f"# Pair prices\n\nCommand: `{command}`\n\n{table}\n")
     print(table)
     return 0
 

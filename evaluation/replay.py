@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report
-from evaluation.client import first_difference, write_results
+from evaluation.client import first_difference
 from orchestrator.controller import CostCurve
 
 logger = logging.getLogger("evaluation.replay")
@@ -85,8 +85,8 @@ def replay(output: Sequence[int], proposals: Sequence[Proposal], k: int, thresho
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    floats = lambda s: report.numbers(s, positive=False, empty=False)  # noqa: E731
+    ints = lambda s: report.numbers(s, int, positive=False, empty=False)  # noqa: E731
     p = argparse.ArgumentParser(prog="python -m evaluation.replay", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--prompts", type=int, default=12, help="prompts of the suite, round-robin over categories (default 12)")
@@ -189,11 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"# Draft length and threshold, replayed\n\nCommand: `{command}`\n\n{len(data)} prompts, {total} greedy "
             f"tokens. Target pass (ms): {costs}; draft token {draft_token_ms:.1f} ms; {args.overhead_ms:g} ms per "
             f"round besides.\n\n{table}\n\nBest: k = {best['k']}, threshold {best['threshold']:g}.\n")
-    (out / "results.md").write_text(text)
-    write_results(out, {
+    report.write_report(out, {
         "command": command, "pass_ms": pass_points, "draft_token_ms": draft_token_ms, "rows": rows,
         "outputs": [{"id": d["id"], "prompt_tokens": d["prompt_tokens"], "output": d["output"]} for d in data],
-    })
+    }, text)
     print(text)
     return 0
 

@@ -1,10 +1,15 @@
-"""Markdown tables and PNG plots of a benchmark's results (matplotlib with the Agg backend), and
-the set-up every benchmark command shares (logging, results folder, command line)."""
+"""The one report writer of the benchmark commands: the set-up every command shares (logging,
+results folder, command line, the machine), the results files (strict JSON and Markdown beside
+it), Markdown tables and PNG plots (matplotlib with the Agg backend)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import math
+import os
+import platform
 import re
 import shlex
 import sys
@@ -20,7 +25,7 @@ Cell = Callable[[dict[str, Any]], str]
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 
 
-def start_run(module: str, argv: list[str] | None, out: Path | None, prefix: str = "",
+def start_run(module: str, argv: Sequence[str] | None, out: Path | None, prefix: str = "",
               quiet: Sequence[str] = ("httpx",)) -> tuple[Path, str]:
     """Configure logging (``quiet`` loggers at WARNING), create the results folder (``out``, or
     ``RESULTS_ROOT/<prefix><timestamp>``) and return it with the command line as typed."""
@@ -29,9 +34,117 @@ def start_run(module: str, argv: list[str] | None, out: Path | None, prefix: str
         logging.getLogger(name).setLevel(logging.WARNING)
     out = out or RESULTS_ROOT / datetime.now().strftime(f"{prefix}%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    args = sys.argv[1:] if argv is None else argv
+    args = sys.argv[1:] if argv is None else list(argv)
     return out, " ".join(["python", "-m", module, *(shlex.quote(a) for a in args)])
 
+
+def numbers(text: str, kind: type = float, positive: bool = True, empty: bool = True) -> list[Any]:
+    """An argparse option's comma-separated numbers: '1,2,4' -> [1, 2, 4], '' -> [] (an error
+    unless ``empty``); each above 0 (``positive``) or at least 0, else ArgumentTypeError."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of {kind.__name__}: {text!r}") from exc
+    if not values and not empty:
+        raise argparse.ArgumentTypeError(f"give one or more values: {text!r}")
+    if any(v < 0 or (positive and v == 0) for v in values):
+        raise argparse.ArgumentTypeError(f"every value must be {'positive' if positive else 'at least 0'}: {text!r}")
+    return values
+
+
+def names(text: str) -> list[str]:
+    """An argparse option's comma-separated names: 'a,b' -> ['a', 'b'] (empty parts dropped)."""
+    return [name for name in text.split(",") if name]
+
+
+def args_record(args: argparse.Namespace, drop: Sequence[str] = ()) -> dict[str, Any]:
+    """A run's options as results.json records them (paths as str), less ``drop`` (secrets)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in drop}
+
+
+# ---- the machine ---------------------------------------------------------------------------------
+
+def _first_line(path: str, start: str) -> str | None:
+    try:
+        return next((line for line in Path(path).read_text().splitlines() if line.startswith(start)), None)
+    except OSError:
+        return None
+
+
+def machine_info(threads: int | None = None) -> dict[str, Any]:
+    """The machine, the libraries and (when given) the compute threads of a run."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def pkg(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    cpu = _first_line("/proc/cpuinfo", "model name")
+    mem = _first_line("/proc/meminfo", "MemTotal:")
+    info = {
+        "cpu": cpu.split(":", 1)[1].strip() if cpu else platform.processor(), "cores": os.cpu_count(),
+        "ram_gb": round(int(mem.split()[1]) / 1024 / 1024, 1) if mem else None, "platform": platform.platform(),
+        "python": platform.python_version(), "torch": pkg("torch"), "transformers": pkg("transformers"),
+        "llama_cpp_python": pkg("llama_cpp_python"), "threads": threads,
+        "load_average_start": list(os.getloadavg()),
+    }
+    if threads is None:
+        del info["threads"]
+    return info
+
+
+def load_average(values: Sequence[float] | None) -> str:
+    """A load average triple as 1.0/0.5/0.2 ('–' when not recorded)."""
+    return "/".join(f"{v:.1f}" for v in values) if values else "–"
+
+
+def machine_line(m: dict[str, Any], between: str = "") -> str:
+    """The report's machine sentence of :func:`machine_info`'s record; ``between``: what the
+    command adds before the load averages (threads, libraries), ending in "; "."""
+    return (f"Machine: {m['cores']} cores, {m['cpu']}, {m['ram_gb']} GB RAM; {between}load average "
+            f"{load_average(m.get('load_average_start'))} at the start, {load_average(m.get('load_average_end'))} "
+            "at the end.")
+
+
+# ---- results files -------------------------------------------------------------------------------
+
+def finite(o: Any) -> Any:
+    """``o`` with NaN and infinities as None, in nested dicts, lists and tuples (strict JSON)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [finite(v) for v in o]
+    return o
+
+
+def write_results(out_dir: Path, results: Any, name: str = "results.json") -> Path:
+    """Write ``results`` to ``out_dir/name`` as strict JSON (NaN and infinities as null, anything
+    else JSON has no type for, such as a Path, as its str), indented by 1; returns the path."""
+    path = Path(out_dir) / name
+    path.write_text(json.dumps(finite(results), indent=1, default=str, allow_nan=False))
+    return path
+
+
+def write_report(out_dir: Path, results: Any, markdown: str, json_name: str = "results.json",
+                 md_name: str = "results.md") -> Path:
+    """``results`` as strict JSON (:func:`write_results`) and its Markdown report beside it;
+    returns the report's path."""
+    write_results(out_dir, results, json_name)
+    path = Path(out_dir) / md_name
+    path.write_text(markdown)
+    return path
+
+
+def read_results(folder: Path, name: str = "results.json") -> dict[str, Any]:
+    """A results file written by :func:`write_results` (what the ``--report-only`` renderers read)."""
+    return json.loads((Path(folder) / name).read_text())
+
+
+# ---- tables --------------------------------------------------------------------------------------
 
 def fmt(value: Any, digits: int = 1, suffix: str = "") -> str:
     """A number for a table cell; '–' for missing or NaN."""
@@ -142,6 +255,19 @@ def _plt():
     return plt
 
 
+def figure(width: float, height: float) -> tuple[Any, Any]:
+    """A new (figure, axes) of that size in inches, on the Agg backend."""
+    return _plt().subplots(figsize=(width, height))
+
+
+def save_plot(fig: Any, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` as a PNG and close it; returns the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def plot_speedup_vs_k(summary: dict[str, dict[str, Any]], path: Path, title: str = "") -> Path | None:
     """Achieved (and ideal) speedup over specdec autoregressive for fixed k = 1…8; adaptive
     controllers as points at their mean chosen k."""
@@ -151,8 +277,7 @@ def plot_speedup_vs_k(summary: dict[str, dict[str, Any]], path: Path, title: str
                 if not re.fullmatch(r"sd-fixed-k\d+", m) and s.get("vs_autoregressive") and s.get("mean_k")]
     if not fixed and not adaptive:
         return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = figure(7, 4.2)
     if fixed:
         ks = [k for k, _ in fixed]
         ax.plot(ks, [s["vs_autoregressive"]["median"] for _, s in fixed], "o-", label="fixed k (achieved)")
@@ -172,10 +297,7 @@ def plot_speedup_vs_k(summary: dict[str, dict[str, Any]], path: Path, title: str
     ax.set_title(title or "Speedup vs draft length")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(fig, path)
 
 
 def plot_time_split(summary: dict[str, dict[str, Any]], path: Path, title: str = "") -> Path | None:
@@ -184,8 +306,7 @@ def plot_time_split(summary: dict[str, dict[str, Any]], path: Path, title: str =
     rows = list(summary.values())
     if not rows:
         return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(7, 0.55 * len(rows) + 2), 4.5))
+    fig, ax = figure(max(7, 0.55 * len(rows) + 2), 4.5)
     names = [s["mode"] for s in rows]
     bottom = [0.0] * len(rows)
     labels = {"draft_compute": "draft compute", "draft_rpc": "draft RPC + serialisation",
@@ -205,10 +326,7 @@ def plot_time_split(summary: dict[str, dict[str, Any]], path: Path, title: str =
         lbl.set_horizontalalignment("right")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(fig, path)
 
 
 def plot_acceptance_by_category(runs: list[dict[str, Any]], modes: Sequence[str], categories: Sequence[str],
@@ -219,8 +337,7 @@ def plot_acceptance_by_category(runs: list[dict[str, Any]], modes: Sequence[str]
     cats = [c for c in categories if any(c in d for d in data.values())]
     if not data or not cats:
         return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = figure(8, 4.8)
     width = 0.8 / len(data)
     for i, (m, d) in enumerate(data.items()):
         xs = [j + (i - (len(data) - 1) / 2) * width for j in range(len(cats))]
@@ -231,7 +348,4 @@ def plot_acceptance_by_category(runs: list[dict[str, Any]], modes: Sequence[str]
     ax.set_title(title or "Acceptance by prompt category")
     ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_plot(fig, path)

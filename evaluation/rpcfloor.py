@@ -36,8 +36,6 @@ from typing import Any
 import grpc
 
 from evaluation import report
-from evaluation.bench import machine_info
-from evaluation.client import write_results
 from evaluation.procs import ROOT, free_port
 
 logger = logging.getLogger("evaluation.rpcfloor")
@@ -217,14 +215,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out, command = report.start_run("evaluation.rpcfloor", list(argv) if argv is not None else None, args.out,
                                     prefix="rpcfloor-")
     result: dict[str, Any] = {
-        "command": command, "machine": machine_info(), "calls": args.calls, "payload_bytes": args.payload_bytes,
+        "command": command, "machine": report.machine_info(), "calls": args.calls, "payload_bytes": args.payload_bytes,
         "echo": measure(args.servers, args.payload_bytes, args.calls, args.warmup),
         "services": {address: asyncio.run(_health_round_trip(address, args.calls, args.warmup))
                      for address in args.service},
     }
-    write_results(out, result, "rpcfloor.json")
     markdown = render_markdown(result)
-    (out / "rpcfloor.md").write_text(markdown)
+    report.write_report(out, result, markdown, "rpcfloor.json", "rpcfloor.md")
     print(markdown)
     return result
 

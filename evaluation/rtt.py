@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report
-from evaluation.bench import machine_info, rotation
-from evaluation.client import first_difference, generate_body, write_results
+from evaluation.client import first_difference, generate_body, post_json, sync_client
 from evaluation.faultproxy import FaultProxy
+from evaluation.modes import rotation
 from evaluation.procs import Service, Stack, free_port, wait_grpc
 from evaluation.prompts import SUITE_VERSION, Prompt, load_suite, select, suite_digest
 from evaluation.stats import mean, paired_speedup, spread, tokens_per_second
@@ -169,25 +169,14 @@ def measure_rtt(nominal_ms: float, direct: str, proxied: str, calls: int = RTT_C
 
 # ---- pure parts ---------------------------------------------------------------------------------------
 
-def parse_rtts(text: str) -> list[float]:
-    """'0,1,5' -> [0.0, 1.0, 5.0] (milliseconds, each at least 0, at least one)."""
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of milliseconds: {text!r}") from exc
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"give one or more round trips of at least 0 ms: {text!r}")
-    return values
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m evaluation.rtt", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--rtt-ms", type=parse_rtts, default=[0.0, 1.0, 5.0, 20.0],
+    p.add_argument("--rtt-ms", type=lambda s: report.numbers(s, positive=False, empty=False), default=[0.0, 1.0, 5.0, 20.0],
                    help="comma-separated round trips added between the orchestrator and the draft, ms (default 0,1,5,20)")
     p.add_argument("--prompts", type=int, default=4, help="prompts of the suite, round-robin over the categories (default 4)")
     p.add_argument("--max-tokens", type=int, default=96, help="new tokens per request, EOS ignored (default 96)")
-    p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(MODES),
+    p.add_argument("--modes", type=report.names, default=list(MODES),
                    help=f"comma-separated subset of {', '.join(MODES)} (default all)")
     p.add_argument("--target", default=None, help="SPECDEC_TARGET_MODEL of the target service (default: its embedded default)")
     p.add_argument("--draft", default=None, help="SPECDEC_DRAFT_MODEL of the draft service (default: its embedded default)")
@@ -344,9 +333,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"reached through a delay proxy on 127.0.0.1. {len(results['prompts'])} prompt{'s' * (len(results['prompts']) != 1)} "
         f"({', '.join(results['prompts'])}), {results['settings']['max_tokens']} new tokens each (EOS ignored), greedy, "
         f"one request at a time. Run took {results['duration_s'] / 60:.1f} min.", "",
-        f"Machine: {m['cores']} cores, {m['cpu']}, {m['ram_gb']} GB RAM; load average "
-        f"{'/'.join(f'{v:.1f}' for v in m['load_average_start'])} at the start, "
-        f"{'/'.join(f'{v:.1f}' for v in m['load_average_end'])} at the end.", "",
+        report.machine_line(m), "",
         "RTT: the round trip added to every draft call (nominal); measured: median of "
         f"{RTT_CALLS} `Info` calls through the proxy minus the median of {RTT_CALLS} straight to the draft. "
         "tok/s: the orchestrator's tokens per second of generation; vs AR: against autoregressive at the same RTT. "
@@ -370,21 +357,15 @@ def render_markdown(results: dict[str, Any]) -> str:
 # ---- the benchmark --------------------------------------------------------------------------------------
 
 def generate(http: Any, url: str, prompt: Prompt, mode: str, max_tokens: int) -> tuple[dict[str, Any], float]:
-    t = time.perf_counter()
-    r = http.post(url + "/v1/generate", json=request_body(prompt, mode, max_tokens))
-    wall = (time.perf_counter() - t) * 1e3
-    if r.status_code != 200:
-        raise RuntimeError(f"{mode} on {prompt.id}: HTTP {r.status_code}: {r.text[:500]}")
-    return r.json(), wall
+    """One /v1/generate of ``mode``: (the response, wall ms on the client)."""
+    return post_json(http, url + "/v1/generate", request_body(prompt, mode, max_tokens), f"{mode} on {prompt.id}")
 
 
 def run_benchmark(args: argparse.Namespace, url: str, proxy: FaultProxy, direct: str, prompts: list[Prompt],
                   stack: Stack) -> dict[str, Any]:
-    import httpx
-
     rows: list[dict[str, Any]] = []
     rtts: list[dict[str, Any]] = []
-    with httpx.Client(timeout=httpx.Timeout(900, connect=10)) as http:
+    with sync_client() as http:
         info = http.get(url + "/v1/info").json()
         for rtt in args.rtt_ms:
             proxy.delay(rtt / 2)
@@ -425,11 +406,32 @@ def main(argv: list[str] | None = None) -> int:
     prompts = select(load_suite(), args.prompts, None)
     started = datetime.now().isoformat(timespec="seconds")
     t_start = time.perf_counter()
-    machine = machine_info()
-    target_env, draft_env = service_env(args)
-    log_dir = out / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    machine = report.machine_info()
+    measured = measure(args, out / "logs", prompts)
+    machine["load_average_end"] = list(os.getloadavg())
 
+    summary = summarise(measured["rows"], measured["rtts"], args.modes)
+    results = {
+        "started": started, "duration_s": round(time.perf_counter() - t_start, 1), "command": command,
+        "args": report.args_record(args), "machine": machine, "services": measured["info"],
+        "namespace": measured["namespace"], "namespace_name": measured["namespace_name"],
+        "namespace_error": measured["namespace_error"], "draft_address": measured["draft_address"],
+        "suite": {"version": SUITE_VERSION, "digest": suite_digest()}, "prompts": [p.id for p in prompts],
+        "settings": {"max_tokens": args.max_tokens, "temperature": 0, "modes": {m: MODES[m] for m in args.modes},
+                     "rtt_calls": RTT_CALLS},
+        "rtts": measured["rtts"], "mismatches": measured["mismatches"], "summary": summary, "rows": measured["rows"],
+    }
+    report.write_report(out, results, render_markdown(results), "rtt.json", "rtt.md")
+    logger.info("done in %.0f s: %s", results["duration_s"], out)
+    print(render_table(summary))
+    return 1 if measured["mismatches"] else 0
+
+
+def measure(args: argparse.Namespace, log_dir: Path, prompts: list[Prompt]) -> dict[str, Any]:
+    """The services started (the draft in its namespace where it can be, behind the delay proxy),
+    :func:`run_benchmark`, everything stopped and the namespace removed again, on SIGTERM too."""
+    target_env, draft_env = service_env(args)
+    log_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(log_dir)
     netns = Namespace()
     proxy: FaultProxy | None = None
@@ -443,16 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     atexit.register(teardown)
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     try:
-        namespace, why_not = False, "--no-namespace"
-        if args.no_namespace:
-            logger.info("--no-namespace: the draft runs on loopback")
-        else:
-            try:
-                netns.up()
-                namespace, why_not = True, None
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                why_not = f"{type(exc).__name__}: {exc}"
-                logger.warning("no network namespace (%s): the draft runs on loopback instead", why_not)
+        namespace, why_not = _namespace(args, netns)
         host = DRAFT_ADDRESS if namespace else "127.0.0.1"
         logger.info("starting the services (logs in %s)", log_dir)
         target_port = stack.model_service("target", "target", target_env)
@@ -472,24 +465,22 @@ def main(argv: list[str] | None = None) -> int:
         atexit.unregister(teardown)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    machine["load_average_end"] = list(os.getloadavg())
+    return {**measured, "namespace": namespace, "namespace_name": netns.name if namespace else None,
+            "namespace_error": why_not, "draft_address": f"{host}:{draft_port}"}
 
-    summary = summarise(measured["rows"], measured["rtts"], args.modes)
-    results = {
-        "started": started, "duration_s": round(time.perf_counter() - t_start, 1), "command": command,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine, "services": measured["info"], "namespace": namespace,
-        "namespace_name": netns.name if namespace else None, "namespace_error": why_not, "draft_address": f"{host}:{draft_port}",
-        "suite": {"version": SUITE_VERSION, "digest": suite_digest()}, "prompts": [p.id for p in prompts],
-        "settings": {"max_tokens": args.max_tokens, "temperature": 0, "modes": {m: MODES[m] for m in args.modes},
-                     "rtt_calls": RTT_CALLS},
-        "rtts": measured["rtts"], "mismatches": measured["mismatches"], "summary": summary, "rows": measured["rows"],
-    }
-    write_results(out, results, "rtt.json")
-    (out / "rtt.md").write_text(render_markdown(results))
-    logger.info("done in %.0f s: %s", results["duration_s"], out)
-    print(render_table(summary))
-    return 1 if measured["mismatches"] else 0
+
+def _namespace(args: argparse.Namespace, netns: Namespace) -> tuple[bool, str | None]:
+    """(whether the draft gets ``netns``, why not): up unless --no-namespace or it cannot be made."""
+    if args.no_namespace:
+        logger.info("--no-namespace: the draft runs on loopback")
+        return False, "--no-namespace"
+    try:
+        netns.up()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        why_not = f"{type(exc).__name__}: {exc}"
+        logger.warning("no network namespace (%s): the draft runs on loopback instead", why_not)
+        return False, why_not
+    return True, None
 
 
 if __name__ == "__main__":

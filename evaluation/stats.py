@@ -1,14 +1,18 @@
-"""Pure statistics of benchmark runs: spreads, per-mode summaries, speedups and the ideal speedup.
+"""Pure statistics of benchmark runs: spreads, per-mode summaries, speedups and the ideal speedup;
+and of load runs: inter-token gaps, latency quantiles, batch sizes, arrival times.
 
 A *run* is one generation of one prompt in one mode (a dict, as stored in results.json):
 ``mode``, ``prompt_id``, ``category``, ``repeat``, ``tokens``, ``elapsed_ms`` (generation time the
 speed is computed from), ``token_ids``, and for specdec modes ``stats`` (the orchestrator's
-GenerationStats.to_dict()), ``wall_ms`` (HTTP round trip) and ``mean_k``.
+GenerationStats.to_dict()), ``wall_ms`` (HTTP round trip) and ``mean_k``. A load run's *records*
+are the streamed requests of evaluation.load's client (``LoadClient.request``).
 """
 
 from __future__ import annotations
 
 import math
+import random
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -158,3 +162,124 @@ def acceptance_by_category(runs: list[dict[str, Any]], mode: str) -> dict[str, f
 def mean(values: Sequence[float]) -> float | None:
     """Arithmetic mean; None for no values."""
     return sum(values) / len(values) if values else None
+
+
+# ---- load runs ------------------------------------------------------------------------------------
+
+def step_gaps(arrivals: Sequence[tuple[float, int]]) -> list[tuple[float, float, int]]:
+    """(arrival, gap, tokens) of each delivery of one request after its first.
+
+    ``arrivals``: (time in s, tokens carried) of the request's step events, in order. A step that
+    carried no token delivers nothing, so its wait joins the next delivery's gap. The first
+    delivery is the TTFT's, not an inter-token gap.
+    """
+    out: list[tuple[float, float, int]] = []
+    last = None
+    for t, n in arrivals:
+        if n <= 0:
+            continue
+        if last is not None:
+            out.append((t, t - last, n))
+        last = t
+    return out
+
+
+def itl_per_token(gaps: Sequence[tuple[float, float, int]]) -> list[float]:
+    """One ITL sample per token: a gap g that delivered n tokens counts as n gaps of g/n."""
+    return [g / n for _, g, n in gaps for _ in range(n)]
+
+
+def quantiles(values: Sequence[float]) -> dict[str, float | None]:
+    """p50, p90, p99 (linear interpolation) and mean of ``values``; None for each when there are none."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
+    return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99),
+            "mean": sum(values) / len(values), "n": len(values)}
+
+
+def batch_means(batches: Sequence[tuple[float, float]]) -> tuple[float | None, float | None]:
+    """Mean sessions and mean token rows per target forward, from the (batch_sessions, batch_rows)
+    of step events.
+
+    A forward shared by s sessions shows up in the step events of all s, so each event weighs 1/s:
+    forwards = Σ 1/s, sessions per forward = events / forwards, rows per forward = Σ rows/s / forwards.
+    Exact when every session of a forward is one of the measured requests.
+    """
+    forwards = sum(1 / s for s, _ in batches)
+    if not forwards:
+        return None, None
+    return len(batches) / forwards, sum(r / s for s, r in batches) / forwards
+
+
+def summarise_run(records: Sequence[dict[str, Any]], window: tuple[float, float]) -> dict[str, Any]:
+    """Statistics of one run from its request records (see :meth:`evaluation.load.LoadClient.request`); ``window``
+    is (start, end) in seconds since the run started. Latencies in ms."""
+    lo, hi = window
+    tokens = drafted = accepted = 0
+    ks: list[int] = []
+    gaps: list[tuple[float, float, int]] = []
+    batches: list[tuple[float, float]] = []
+    for r in records:
+        for s in r["steps"]:
+            if lo <= s["t"] <= hi:
+                tokens += s["n"]
+                ks.append(s["k"])
+                drafted += s["drafted"]
+                accepted += s["accepted"]
+                if s.get("batch_sessions") and s.get("batch_rows"):
+                    batches.append((s["batch_sessions"], s["batch_rows"]))
+        gaps += [g for g in step_gaps([(s["t"], s["n"]) for s in r["steps"]]) if lo <= g[0] <= hi]
+    done = [r for r in records if r["status"] == 200 and r["end"] is not None]
+    ttft, e2e, speed = [], [], []
+    for r in done:
+        first = next((s["t"] for s in r["steps"] if s["n"] > 0), None)
+        if first is not None:
+            ttft.append(first - r["start"])
+        e2e.append(r["end"] - r["start"])
+        if r["end"] > r["start"]:
+            speed.append(sum(s["n"] for s in r["steps"]) / (r["end"] - r["start"]))
+    server = [r["server"] for r in done if r.get("server")]
+    server_speed = [x["tokens"] / x["elapsed_ms"] * 1e3 for x in server if x.get("tokens") and x.get("elapsed_ms")]
+    iterations = sum(x.get("iterations", 0) for x in server)
+    compared = [r for r in done if r.get("identical") is not None]
+    sessions, rows = batch_means(batches)
+    return {
+        "requests": len(records), "completed": len(done), "failed": len(records) - len(done),
+        "errors": dict(sorted(Counter(e for r in records for e in r["errors"]).items())),
+        "retries": sum(r["attempts"] - 1 for r in records),
+        "window_s": hi - lo, "tokens": tokens, "tokens_per_second": tokens / (hi - lo) if hi > lo else None,
+        "request_tokens_per_second": quantiles(speed),
+        "ttft_ms": quantiles([x * 1e3 for x in ttft]),
+        "itl_ms": quantiles([x * 1e3 for x in itl_per_token(gaps)]),
+        "step_gap_ms": quantiles([g * 1e3 for _, g, _ in gaps]),
+        "e2e_ms": quantiles([x * 1e3 for x in e2e]),
+        "server_tokens_per_second": quantiles(server_speed),
+        "verify_compute_ms_per_iteration": (sum(x.get("verify_compute_ms", 0.0) for x in server) / iterations
+                                            if iterations else None),
+        "steps": len(ks), "mean_k": sum(ks) / len(ks) if ks else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "batch_steps": len(batches), "batch_sessions": sessions, "batch_rows": rows,
+        "compared": len(compared), "mismatches": sum(not r["identical"] for r in compared),
+        "mismatched_prompts": sorted({r["prompt_id"] for r in compared if not r["identical"]}),
+    }
+
+
+def add_ratios(runs: Sequence[dict[str, Any]]) -> None:
+    """Set ``vs_n1`` (aggregate tok/s over the same mode's at N=1, closed loop) and
+    ``vs_autoregressive`` (over autoregressive at the same load point) in every run's summary."""
+    tps = {(r["loop"], r["load"], r["mode"]): r["summary"]["tokens_per_second"] for r in runs}
+    for r in runs:
+        s, own = r["summary"], r["summary"]["tokens_per_second"]
+        base = tps.get(("closed", 1, r["mode"])) if r["loop"] == "closed" else None
+        ar = tps.get((r["loop"], r["load"], "autoregressive")) if r["mode"] != "autoregressive" else None
+        s["vs_n1"] = own / base if own and base else None
+        s["vs_autoregressive"] = own / ar if own and ar else None
+
+
+def poisson_arrivals(rate: float, duration: float, rng: random.Random) -> list[float]:
+    """Arrival times (s) in [0, duration) of a Poisson process with ``rate`` arrivals per second."""
+    times, t = [], rng.expovariate(rate)
+    while t < duration:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times

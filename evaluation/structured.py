@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import report
-from evaluation.bench import machine_info, rotation
-from evaluation.client import write_results
+from evaluation.client import post_json, sync_client
+from evaluation.modes import rotation
 from evaluation.procs import Stack
 from evaluation.stats import spread
 
@@ -112,9 +112,8 @@ def chat_body(req: dict[str, Any], max_tokens: int, schema: bool, mode: str = "s
 
 
 def post(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = client.post(url + "/v1/chat/completions", json=body, timeout=600)
-    r.raise_for_status()
-    j = r.json()
+    """One chat completion: its text, finish reason and the speculation statistics it carries."""
+    j, _ = post_json(client, url + "/v1/chat/completions", body, f"chat completion ({body.get('mode')})")
     stats = j["specdec"]
     return {"text": j["choices"][0]["message"]["content"], "finish_reason": j["choices"][0]["finish_reason"],
             "tokens": stats["tokens"], "elapsed_ms": stats["elapsed_ms"], "tok_s": stats["tokens_per_second"],
@@ -202,17 +201,18 @@ def render(results: dict[str, Any]) -> str:
              f"({s['valid_greedy']} greedy, {s['valid_sampled']} sampled); median {fmt(s['answer_tok_s']['median'])} "
              f"tok/s, acceptance {fmt(100 * s['answer_acceptance']['median'])} %.", "",
              f"**Speed** ({s['compared']} requests, greedy, four modes interleaved):", "",
-             "| mode | median tok/s | acceptance | median tokens |", "|---|---:|---:|---:|"]
-    for name, m in s["modes"].items():
-        lines.append(f"| {name} | {fmt(m['tok_s']['median'])} | {fmt(100 * m['acceptance']['median'])} % | "
-                     f"{fmt(m['tokens']['median'], 0)} |")
-    lines += ["", "| paired ratio (median, p10–p90) | value |", "|---|---:|"]
-    for key, label in (("schema_over_free_speculative", "speculative: with schema / without"),
-                       ("schema_over_free_plain", "plain: with schema / without"),
-                       ("speculative_over_plain_schema", "with schema: speculative / plain"),
-                       ("speculative_over_plain_free", "without schema: speculative / plain")):
-        r = s[key]
-        lines.append(f"| {label} | {fmt(r['median'], 2)}× ({fmt(r['p10'], 2)}–{fmt(r['p90'], 2)}) |")
+             report.markdown_table([{"name": name, **m} for name, m in s["modes"].items()], [
+                 ("mode", lambda m: m["name"]), ("median tok/s", lambda m: fmt(m["tok_s"]["median"])),
+                 ("acceptance", lambda m: f"{fmt(100 * m['acceptance']['median'])} %"),
+                 ("median tokens", lambda m: fmt(m["tokens"]["median"], 0))])]
+    ratios = [{"label": label, **s[key]} for key, label in (
+        ("schema_over_free_speculative", "speculative: with schema / without"),
+        ("schema_over_free_plain", "plain: with schema / without"),
+        ("speculative_over_plain_schema", "with schema: speculative / plain"),
+        ("speculative_over_plain_free", "without schema: speculative / plain"))]
+    lines += ["", report.markdown_table(ratios, [
+        ("paired ratio (median, p10–p90)", lambda r: r["label"]),
+        ("value", lambda r: f"{fmt(r['median'], 2)}× ({fmt(r['p10'], 2)}–{fmt(r['p90'], 2)})")])]
     lines += ["", f"Speculative == plain under the schema: {s['equal_under_schema']} of {s['compared']}."]
     return "\n".join(lines) + "\n"
 
@@ -227,8 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="results folder (default evaluation/results/structured-<time>)")
     args = ap.parse_args(argv)
     out, command = report.start_run("evaluation.structured", argv, args.out, prefix="structured-")
-    import httpx
-
     stack = None
     try:
         url = args.url
@@ -237,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             stack = Stack(out / "logs")
             url = stack.orchestrator("orchestrator", stack.model_service("draft", "draft", {}),
                                      stack.model_service("target", "target", {}))
-        with httpx.Client() as client:
+        with sync_client(timeout_s=600) as client:
             warm = requests(len(SCHEMAS))
             for req in warm:  # untimed: loads both services' grammar tokenizers, lets the cost model learn
                 post(client, url, chat_body(req, 32, True))
@@ -245,13 +243,12 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             answers = validity(client, url, requests(args.answers), args.max_tokens)
             runs = speed(client, url, requests(args.compare), args.max_tokens)
-        results = {"command": command, "machine": machine_info(), "seconds": round(time.monotonic() - t0, 1),
+        results = {"command": command, "machine": report.machine_info(), "seconds": round(time.monotonic() - t0, 1),
                    "summary": summarise(answers, runs), "answers": answers, "runs": runs}
     finally:
         if stack is not None:
             stack.close()
-    write_results(out, results, "structured.json")
-    (out / "structured.md").write_text(render(results))
+    report.write_report(out, results, render(results), "structured.json", "structured.md")
     print(render(results))
     return 0 if results["summary"]["valid"] == results["summary"]["answers"] else 1
 

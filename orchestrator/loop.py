@@ -23,314 +23,36 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import grpc
-from prometheus_client import Counter, Gauge, Histogram
 
-from orchestrator.clients import Proposed, Verified
-from orchestrator.controller import Controller, Load, StepObservation, Topology
+from orchestrator import generation_metrics as metrics
+from orchestrator.clients import Proposed
+from orchestrator.controller import Controller
+from orchestrator.controller_inputs import Load
+from orchestrator.detokenizer import Detokenizer
+from orchestrator.generation import (
+    BadRequest,
+    DraftHealth,
+    GenerationParams,
+    GenerationResult,
+    ModelLimits,
+    TargetBusy,
+    TargetUnavailable,
+)
 from orchestrator.replicas import DraftPool, TargetPool
-from orchestrator.schemas import Step, TokenLogprob
+from orchestrator.schemas import Step
+from orchestrator.step_accounting import GenerationStats, StepInProgress
 from specdec.params import Sampling
 
 logger = logging.getLogger(__name__)
 
-DRAFTS = Counter("specdec_drafts_total", "Steps that verified a non-empty draft.")
-DRAFT_TOKENS = Counter("specdec_draft_tokens_total", "Draft tokens proposed and verified.")
-ACCEPTED_TOKENS = Counter("specdec_accepted_tokens_total", "Draft tokens the target accepted.")
-ACCEPTED_PER_POSITION = Counter(
-    "specdec_accepted_per_position_total", "Accepted draft tokens by position in the draft (0-based).", ["position"]
-)
-GENERATED_TOKENS = Counter("specdec_generated_tokens_total", "Tokens generated (accepted + target tokens).", ["mode"])
-STEPS = Counter("specdec_steps_total", "Loop iterations (one target forward pass each).", ["mode"])
-K_CHOSEN = Histogram("specdec_k", "Draft length chosen per step.", buckets=tuple(range(0, 17)))
-TOKENS_PER_SECOND = Histogram(
-    "specdec_request_tokens_per_second", "Generation speed per request.", ["mode"],
-    buckets=(1, 2, 5, 10, 15, 20, 30, 40, 60, 80, 120, 160, 240, 320),
-)
-DRAFT_FALLBACKS = Counter("specdec_draft_fallbacks_total", "Steps run without a draft because the draft failed.", ["reason"])
-ACTIVE = Gauge("specdec_active_requests", "Generations in progress.")
-# The same figures under vLLM's names, buckets and model_name label (prefix specdec: for vllm:), so a
-# dashboard made for vLLM works with the prefix changed (README, "Observability"). Latencies
-# are timed from the start of the generation (after tokenisation and admission).
-_MODEL = ["model_name"]
-TTFT = Histogram("specdec:time_to_first_token_seconds", "Time to the first generated token.", _MODEL,
-                 buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                          20.0, 40.0, 80.0, 160.0, 640.0, 2560.0))
-ITL = Histogram("specdec:inter_token_latency_seconds", "Time between two steps' tokens (one observation per step, "
-                "as vLLM's: a speculative step lands several tokens).", _MODEL,
-                buckets=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                         40.0, 80.0))
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                    480.0, 960.0, 1920.0, 7680.0)
-E2E = Histogram("specdec:e2e_request_latency_seconds", "Wall time of a whole generation.", _MODEL,
-                buckets=_REQUEST_BUCKETS)
-QUEUE_TIME = Histogram("specdec:request_queue_time_seconds", "Time a generation waited for a slot in the "
-                       "orchestrator's admission queue plus the time its first Verify waited in the target's queue "
-                       "before its forward pass.", _MODEL, buckets=_REQUEST_BUCKETS)
-NUM_DRAFTS = Counter("specdec:spec_decode_num_drafts", "Steps that verified a non-empty draft.", _MODEL)
-NUM_DRAFT_TOKENS = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens verified.", _MODEL)
-NUM_ACCEPTED = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", _MODEL)
-NUM_ACCEPTED_PER_POS = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
-                               "Accepted draft tokens by position in the draft (0-based).", ["model_name", "position"])
-PROMPT_TOKENS = Counter("specdec:prompt_tokens", "Prompt tokens of the generations started.", _MODEL)
-GENERATION_TOKENS = Counter("specdec:generation_tokens", "Tokens generated.", _MODEL)
-RUNNING = Gauge("specdec:num_requests_running", "Generations in progress.", _MODEL)
-
-PREFIX_TOKENS = Counter(
-    "specdec_target_prefix_tokens_total",
-    "Committed tokens sent to Verify, by whether the target found them in the session's KV cache "
-    "(cached) or computed them again (computed: the prompt's prefill, or a re-prefill after a replica moved).",
-    ["source"],
-)
-
-Mode = Literal["speculative", "autoregressive"]
 # A draft whose cache lacks more than this many tokens of the sequence catches up in the background
 # (the first step's prompt, or the tokens of plain steps) instead of holding up the step: more than a
 # steady-state Propose ever misses (the target's own token; all of a draft after a pre-draft).
 CATCH_UP_IN_BACKGROUND = 16
 MIN_CATCH_UP_CHUNK = 32  # a catch-up chunk that misses its deadline halves, down to this
-
-
-class TargetUnavailable(Exception):
-    """The target service cannot serve: the request fails with 503 and this reason."""
-
-
-class TargetBusy(TargetUnavailable):
-    """The target has no room right now (RESOURCE_EXHAUSTED: queue or KV budget full): HTTP 429."""
-
-
-class BadRequest(Exception):
-    """The target rejected the request's input (INVALID_ARGUMENT): HTTP 400 with this reason."""
-
-
-@dataclass
-class GenerationParams:
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: Sampling = field(default_factory=Sampling)
-    stop: list[str] = field(default_factory=list)
-    mode: Mode = "speculative"
-    confidence_threshold: float = 0.0
-    ignore_eos: bool = False
-    # Pre-draft the next block while this one is verified (greedy only): True always, False never,
-    # None while this is the only generation in progress (``in_progress`` of generate: under
-    # concurrency the batched passes already fill the cores, and a Verify yielding cores to one
-    # stream's pre-draft would slow everyone's).
-    overlap: bool | None = False
-    # None: no logprobs; n >= 0: each emitted token's raw logprob from the target's own verify row,
-    # with the n most likely tokens' (the same bits whether the token was drafted or not)
-    logprobs: int | None = None
-    # the logprobs of the distribution each token was chosen from instead (vLLM's processed_logprobs)
-    processed_logprobs: bool = False
-    model_name: str = ""  # the served name: the model_name label of the vLLM-named metrics
-    # tokens a draft far behind (a long prompt) prefills per call (OrchestratorSettings.draft_catch_up_chunk)
-    draft_catch_up_chunk: int = 256
-    queued_s: float = 0.0  # time in the orchestrator's admission queue (part of request_queue_time_seconds)
-
-
-@dataclass
-class GenerationStats:
-    tokens: int = 0
-    iterations: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    draft_ms: float = 0.0  # wall time of Propose calls as the orchestrator saw them
-    verify_ms: float = 0.0  # wall time of Verify calls
-    draft_compute_ms: float = 0.0  # server-side compute of Propose calls
-    verify_compute_ms: float = 0.0  # server-side compute of Verify calls
-    overhead_ms: float = 0.0  # loop time outside both RPCs
-    elapsed_ms: float = 0.0
-    first_token_ms: float = 0.0
-    draft_fallbacks: int = 0
-    predrafted: int = 0  # steps whose draft came from a pre-draft (overlapped mode)
-    predrafts_dropped: int = 0  # pre-drafts cancelled or unusable (rejection, or a different bonus token)
-    draft_catch_ups: int = 0  # background Proposes that brought the draft's cache up to date (steps ran plainly meanwhile)
-
-    def record_step(self, tokens: int, proposed: int, accepted: int, draft_ms: float, verify_ms: float,
-                    draft_compute_ms: float, verify_compute_ms: float, overhead_ms: float) -> None:
-        self.iterations += 1
-        self.tokens += tokens
-        self.proposed += proposed
-        self.accepted += accepted
-        self.draft_ms += draft_ms
-        self.verify_ms += verify_ms
-        self.draft_compute_ms += draft_compute_ms
-        self.verify_compute_ms += verify_compute_ms
-        self.overhead_ms += overhead_ms
-
-    def to_dict(self) -> dict[str, Any]:
-        it = max(self.iterations, 1)
-        seconds = self.elapsed_ms / 1e3
-        return {
-            "tokens": self.tokens,
-            "iterations": self.iterations,
-            "draft_tokens": self.proposed,
-            "accepted_tokens": self.accepted,
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "mean_accepted_per_iteration": self.accepted / it,
-            "mean_tokens_per_iteration": self.tokens / it,
-            "tokens_per_second": self.tokens / seconds if seconds > 0 else 0.0,
-            "elapsed_ms": self.elapsed_ms,
-            "first_token_ms": self.first_token_ms,
-            "draft_ms": self.draft_ms,
-            "verify_ms": self.verify_ms,
-            "draft_compute_ms": self.draft_compute_ms,
-            "verify_compute_ms": self.verify_compute_ms,
-            # RPC round trips, (de)serialisation and queueing: wall minus server compute
-            "rpc_overhead_ms": (self.draft_ms - self.draft_compute_ms) + (self.verify_ms - self.verify_compute_ms),
-            "overhead_ms": self.overhead_ms,
-            "draft_ms_per_iteration": self.draft_ms / it,
-            "verify_ms_per_iteration": self.verify_ms / it,
-            "overhead_ms_per_iteration": self.overhead_ms / it,
-            "draft_fallbacks": self.draft_fallbacks,
-            "predrafted_iterations": self.predrafted,
-            "predrafts_dropped": self.predrafts_dropped,
-            "draft_catch_ups": self.draft_catch_ups,
-        }
-
-
-@dataclass
-class DraftHealth:
-    """Process-wide: after a draft failure, decode without drafts for ``retry_s``, then retry."""
-
-    retry_s: float
-    down_until: float = 0.0
-    last_error: str = ""
-
-    def usable(self) -> bool:
-        return time.monotonic() >= self.down_until
-
-    def failed(self, reason: str) -> None:
-        self.down_until = time.monotonic() + self.retry_s
-        if reason != self.last_error:
-            logger.warning("draft service failed (%s); decoding without drafts for %.0f s", reason, self.retry_s)
-        self.last_error = reason
-
-    def succeeded(self) -> None:
-        if self.last_error:
-            logger.info("draft service is back")
-        self.last_error = ""
-
-
-@dataclass
-class ModelLimits:
-    """What the loop needs to know of the services (from their Info)."""
-
-    target_max_context: int
-    target_max_draft: int
-    draft_max_context: int
-    draft_max_draft: int
-    eos_token_ids: set[int]
-    draft_shares_host: bool = False  # draft and target compute on the same host (their Info's host_id)
-    topology: Topology = field(default_factory=Topology)  # where each party computes (the cost controller's input)
-
-
-class Detokenizer:
-    """Incremental text from growing token ids, holding back incomplete characters and any tail
-    that could still become a stop string.
-
-    Each push decodes only a window: the ids since the previous push's start (its text is known)
-    and the new ones, and keeps the difference (the offsets scheme of TGI and vLLM). The window's
-    first token gives the new ones their context (a SentencePiece word's leading space, a byte
-    sequence split across tokens), so the pieces add up to what decoding everything at once gives,
-    and a long answer costs the same per token as a short one (decoding everything each step was
-    quadratic in the answer's length)."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
-        self.decode = decode
-        self.stop = [s for s in stop if s]
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.decoded = ""  # text of ids[:read], as the windows gave it
-        self.prefix = 0  # the window starts here: ids[prefix:read] decode to decoded's tail
-        self.read = 0  # ids up to here are in decoded
-        self.sent = 0  # characters of text already emitted
-        self.stopped = False
-
-    def push(self, ids: list[int], final: bool = False) -> str:
-        self.ids.extend(ids)
-        known = self.decode(self.ids[self.prefix:self.read])
-        window = self.decode(self.ids[self.prefix:])
-        # an incomplete multi-byte character decodes as U+FFFD: wait for the rest (unless this is the end)
-        if len(window) > len(known) and (final or not window.endswith("\ufffd")):
-            self.decoded += window[len(known):]
-            self.prefix, self.read = self.read, len(self.ids)
-        text = self.decoded
-        end = len(text)
-        for s in self.stop:
-            pos = text.find(s, max(0, self.sent - len(s)))
-            if 0 <= pos < end:
-                end, final, self.stopped = pos, True, True
-        if not final:
-            end = min(end, max(self.sent, len(text) - self.holdback))
-        delta = text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return delta
-
-    @property
-    def text(self) -> str:
-        return self.decode(self.ids)
-
-    def tokens_covering(self, text: str) -> int:
-        """The fewest leading ids whose text begins with ``text`` (a prefix of :attr:`text`):
-        a binary search, since once a prefix's text holds it, every longer prefix's does (a
-        character cut in the middle of its bytes decodes as U+FFFD until its last byte)."""
-        lo, hi = 0, len(self.ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.decode(self.ids[:mid]).startswith(text):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-
-@dataclass
-class GenerationResult:
-    """How a generation ended: the last item ``generate`` yields, after its steps."""
-
-    finish_reason: str  # "stop" (EOS or stop string), "length" (max_tokens or context), "cancelled"
-    text: str
-    stats: GenerationStats
-    # generated tokens the text covers: all of them, but where a stop string cut the text (it may
-    # end inside a block of accepted tokens), the fewest whose text holds what is returned
-    text_tokens: int | None = None
-
-
-@dataclass
-class _Step:
-    """One iteration in the making: what each stage of :class:`SpeculativeRequest` found."""
-
-    t_start: float
-    k: int = 0
-    draft_error: str = ""
-    proposal: Proposed | None = None
-    draft_ms: float = 0.0  # the Propose's wall time (0 for a pre-draft: counted in the step that made it)
-    draft_wait_ms: float = 0.0  # what this step waited for drafts
-    predrafted: bool = False
-    tokens: list[int] = field(default_factory=list)  # the draft verified
-    verified: Verified | None = None  # the target's answer (set by verify)
-    new: list[int] = field(default_factory=list)  # tokens appended
-    kind: Literal["bonus", "correction", "plain"] = "plain"
-    done: bool = False
-    text: str = ""
-
-    def observation(self, warm: bool, draft_catch_up: int) -> StepObservation:
-        """What the controller learns from this step (the only place one is made): ``warm`` is
-        False for the first step (its cost is the prompt's prefill); ``draft_catch_up``: tokens the
-        draft processed besides its proposals."""
-        v, proposal = self.verified, self.proposal
-        return StepObservation(
-            k=self.k, proposed=len(self.tokens), accepted=v.num_accepted, draft_ms=self.draft_ms, verify_ms=v.wall_ms,
-            draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=warm, draft_catch_up=draft_catch_up,
-            verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
-            draft_sessions=proposal.batch_sessions if proposal else 1.0,
-            verify_cpu_ms=v.step_cpu_ms, draft_step_cpu_ms=proposal.step_cpu_ms if proposal else 0.0,
-            predrafted=self.predrafted,
-        )
 
 
 class SpeculativeRequest:
@@ -381,7 +103,7 @@ class SpeculativeRequest:
 
     def draft_failed(self, exc: grpc.aio.AioRpcError) -> str:
         error = f"{exc.code().name}: {exc.details()}"
-        DRAFT_FALLBACKS.labels(exc.code().name.lower()).inc()
+        metrics.DRAFT_FALLBACKS.labels(exc.code().name.lower()).inc()
         self.stats.draft_fallbacks += 1
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             self.draft_ok = False  # this input will not suit the draft; the service is fine
@@ -408,7 +130,7 @@ class SpeculativeRequest:
         return self.can_overlap and (self.params.overlap is True
                                      or (self.in_progress() <= 1 and not self.limits.draft_shares_host))
 
-    def choose_k(self, step: _Step, remaining: int, overlap: bool) -> None:
+    def choose_k(self, step: StepInProgress, remaining: int, overlap: bool) -> None:
         """1. Choose k: each step yields accepted + 1 tokens, so never draft past what is left. The
         controller prices k for the load it is given: the streams in progress, whether this step
         runs overlapped, where each party computes."""
@@ -422,7 +144,7 @@ class SpeculativeRequest:
                 and len(self.seq) - self.draft_seen > CATCH_UP_IN_BACKGROUND):
             self._catch_up(step)
 
-    def _catch_up(self, step: _Step) -> None:
+    def _catch_up(self, step: StepInProgress) -> None:
         """1.1 The draft is far behind (the prompt at the first step, or plain steps since its last
         Propose). Its catch-up is a prefill, a chunk per call (:meth:`_catch_up_call`):
 
@@ -447,7 +169,7 @@ class SpeculativeRequest:
         elif p.sampling.greedy:
             self._start_catch_up(step)
 
-    def _collect_catch_up(self, step: _Step) -> None:
+    def _collect_catch_up(self, step: StepInProgress) -> None:
         if not self.catching_up.done():
             step.k = 0
             return
@@ -464,7 +186,7 @@ class SpeculativeRequest:
             self.draft_seen = self.catch_up_from
         self.catching_up = None
 
-    def _start_catch_up(self, step: _Step) -> None:
+    def _start_catch_up(self, step: StepInProgress) -> None:
         """The background catch-up: a one-token Propose whose answer only fills the draft's cache,
         a chunk at a time (each call a bounded number of rows within the usual deadline; the
         draft's other sessions draft between them; the next starts where this one ended)."""
@@ -483,7 +205,7 @@ class SpeculativeRequest:
         return self.draft.propose(self.session_id, list(self.seq[:end]), 1, p.confidence_threshold, sampling,
                                   yield_cores=yield_cores)
 
-    async def prefill_draft(self, step: _Step, yield_cores: bool) -> bool:
+    async def prefill_draft(self, step: StepInProgress, yield_cores: bool) -> bool:
         """2.0 A draft far behind catches up before this step's Propose, a chunk per call as in the
         background (:meth:`_catch_up`). False when the draft failed (reported with the step)."""
         while len(self.seq) - self.draft_seen > self.catch_up_chunk:
@@ -508,7 +230,7 @@ class SpeculativeRequest:
         self.catch_up_chunk = max(self.catch_up_chunk // 2, MIN_CATCH_UP_CHUNK)
         return True
 
-    async def fetch_draft(self, step: _Step) -> None:
+    async def fetch_draft(self, step: StepInProgress) -> None:
         """2. Fetch the draft (a failure only costs this step its draft): the pre-draft when the
         last step left one, else a Propose now."""
         step.predrafted = self.ready is not None and step.k > 0
@@ -537,7 +259,7 @@ class SpeculativeRequest:
         self.ready = None
         step.tokens = step.proposal.tokens if step.proposal else []
 
-    def start_predraft(self, step: _Step, remaining: int) -> None:
+    def start_predraft(self, step: StepInProgress, remaining: int) -> None:
         """3. (overlapped) The draft drafts the next block while the target verifies this one, as
         if this one were accepted whole (its first token: a guess of the bonus token)."""
         limits, p = self.limits, self.params
@@ -547,7 +269,7 @@ class SpeculativeRequest:
                                                           p.confidence_threshold, p.sampling,
                                                           yield_cores=limits.draft_shares_host))
 
-    async def verify(self, step: _Step) -> None:
+    async def verify(self, step: StepInProgress) -> None:
         """3. Verify in one target pass."""
         p = self.params
         try:
@@ -565,7 +287,7 @@ class SpeculativeRequest:
                 # target's vocabulary): verify this step without it, and stop drafting for this request.
                 logger.warning("target refused the draft (%s); continuing without drafts", exc.details())
                 step.draft_error = f"target refused the draft: {exc.details()}"
-                DRAFT_FALLBACKS.labels("refused_by_target").inc()
+                metrics.DRAFT_FALLBACKS.labels("refused_by_target").inc()
                 self.stats.draft_fallbacks += 1
                 self.draft_ok = False
                 self.drop_predraft()
@@ -581,10 +303,10 @@ class SpeculativeRequest:
             logger.warning("request %s: the target failed on every replica: %s: %s", self.session_id,
                            exc.code().name, exc.details())
             raise TargetUnavailable(f"target service: {exc.code().name}: {exc.details()}") from exc
-        PREFIX_TOKENS.labels("cached").inc(step.verified.cached_tokens)
-        PREFIX_TOKENS.labels("computed").inc(max(len(self.seq) - step.verified.cached_tokens, 0))
+        metrics.PREFIX_TOKENS.labels("cached").inc(step.verified.cached_tokens)
+        metrics.PREFIX_TOKENS.labels("computed").inc(max(len(self.seq) - step.verified.cached_tokens, 0))
 
-    def accept(self, step: _Step, remaining: int) -> None:
+    def accept(self, step: StepInProgress, remaining: int) -> None:
         """4. Accept: the accepted draft prefix, then the target's own token (cut at EOS, the
         request's length and the context), and the text they add."""
         v, tokens = step.verified, step.tokens
@@ -605,7 +327,7 @@ class SpeculativeRequest:
         if self.detok.stopped:
             self.finish, step.done = "stop", True
 
-    async def settle_predraft(self, step: _Step) -> None:
+    async def settle_predraft(self, step: StepInProgress) -> None:
         """4.1 Overlapped: keep the pre-draft if the target took the whole block and its own token
         is the pre-draft's first; otherwise drop it (the next Propose crops)."""
         if self.predraft is None:
@@ -627,7 +349,7 @@ class SpeculativeRequest:
         step.draft_wait_ms += (time.perf_counter() - t_wait) * 1e3  # the draft was slower than the target
         self.predraft = None
 
-    def record(self, step: _Step) -> Step:
+    def record(self, step: StepInProgress) -> Step:
         """5. Adapt k and account: the controller, the request's stats and the metrics each see the
         step once; the :class:`Step` is what every client gets."""
         v, proposal, stats = step.verified, step.proposal, self.stats
@@ -636,43 +358,28 @@ class SpeculativeRequest:
         self.controller.observe(step.observation(warm=stats.iterations > 0, draft_catch_up=catch_up))
         # The step's time split as the stream lived it: draft time is what it waited for drafts.
         overhead_ms = max(step_ms - step.draft_wait_ms - v.wall_ms, 0.0)
-        draft_compute_ms = proposal.compute_ms if proposal else 0.0
         stats.record_step(len(step.new), len(step.tokens), v.num_accepted, step.draft_wait_ms, v.wall_ms,
-                          draft_compute_ms, v.compute_ms, overhead_ms)
+                          proposal.compute_ms if proposal else 0.0, v.compute_ms, overhead_ms)
         now = time.perf_counter()
         model = self.params.model_name
         if stats.iterations == 1:
             stats.first_token_ms = (now - self.t_start) * 1e3
-            TTFT.labels(model).observe(now - self.t_start)
-            QUEUE_TIME.labels(model).observe(self.params.queued_s + v.queue_ms / 1e3)
+            metrics.TTFT.labels(model).observe(now - self.t_start)
+            metrics.QUEUE_TIME.labels(model).observe(self.params.queued_s + v.queue_ms / 1e3)
         else:
-            ITL.labels(model).observe(now - self.t_last_step)
+            metrics.ITL.labels(model).observe(now - self.t_last_step)
         self.t_last_step = now
-        _count_step(self.params.mode, len(step.new), len(step.tokens), v.num_accepted, model)
-        return Step(
-            index=stats.iterations - 1, k=step.k, draft=step.tokens,
-            draft_confidences=proposal.confidences if proposal else [],
-            target_probs=v.target_probs, accepted=v.num_accepted, next_token=v.next_token, next_kind=step.kind,
-            next_token_prob=v.next_token_prob, tokens=step.new, text=step.text, draft_ms=step.draft_wait_ms,
-            logprobs=[TokenLogprob(logprob=lp, top_ids=ids, top_logprobs=lps)
-                      for lp, ids, lps in v.logprobs[:len(step.new)]] if v.logprobs is not None else None,
-            verify_ms=v.wall_ms, draft_compute_ms=draft_compute_ms, verify_compute_ms=v.compute_ms,
-            overhead_ms=overhead_ms, draft_stop_reason=proposal.stop_reason if proposal else "",
-            draft_error=step.draft_error, batch_sessions=v.batch_sessions, batch_rows=v.batch_rows,
-            draft_batch_sessions=proposal.batch_sessions if proposal else 0.0, predrafted=step.predrafted,
-        )
+        metrics.count_step(self.params.mode, len(step.new), len(step.tokens), v.num_accepted, model)
+        return step.event(stats.iterations - 1, overhead_ms)
 
     def result(self) -> GenerationResult:
         stats = self.stats
         stats.elapsed_ms = (time.perf_counter() - self.t_start) * 1e3
-        E2E.labels(self.params.model_name).observe(stats.elapsed_ms / 1e3)
+        metrics.E2E.labels(self.params.model_name).observe(stats.elapsed_ms / 1e3)
         if stats.elapsed_ms > 0:
-            TOKENS_PER_SECOND.labels(self.params.mode).observe(stats.tokens / (stats.elapsed_ms / 1e3))
-        text = self.detok.text
-        if not self.detok.stopped:
-            return GenerationResult(self.finish, text, stats, len(self.detok.ids))
-        text = _cut_at_stop(text, self.params.stop)
-        return GenerationResult(self.finish, text, stats, self.detok.tokens_covering(text))
+            metrics.TOKENS_PER_SECOND.labels(self.params.mode).observe(stats.tokens / (stats.elapsed_ms / 1e3))
+        text, text_tokens = self.detok.final()
+        return GenerationResult(self.finish, text, stats, text_tokens)
 
     def close(self) -> None:
         """Free both caches now, even when cancelled; never let cleanup fail the request."""
@@ -683,22 +390,6 @@ class SpeculativeRequest:
         task = asyncio.get_running_loop().create_task(_release(clients, self.session_id, set(self.inflight)))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
-
-
-def _count_step(mode: str, generated: int, proposed: int, accepted: int, model: str = "") -> None:
-    STEPS.labels(mode).inc()
-    GENERATED_TOKENS.labels(mode).inc(generated)
-    GENERATION_TOKENS.labels(model).inc(generated)
-    if proposed:
-        DRAFTS.inc()
-        DRAFT_TOKENS.inc(proposed)
-        ACCEPTED_TOKENS.inc(accepted)
-        NUM_DRAFTS.labels(model).inc()
-        NUM_DRAFT_TOKENS.labels(model).inc(proposed)
-        NUM_ACCEPTED.labels(model).inc(accepted)
-        for pos in range(accepted):
-            ACCEPTED_PER_POSITION.labels(str(pos)).inc()
-            NUM_ACCEPTED_PER_POS.labels(model, str(pos)).inc()
 
 
 async def generate(
@@ -725,12 +416,12 @@ async def generate(
     Raises TargetUnavailable or BadRequest when the target fails.
     """
     req = SpeculativeRequest(params, draft, target, controller, limits, draft_health, decode, in_progress, background)
-    ACTIVE.inc()
-    RUNNING.labels(params.model_name).inc()
-    PROMPT_TOKENS.labels(params.model_name).inc(len(params.prompt_ids))
+    metrics.ACTIVE.inc()
+    metrics.RUNNING.labels(params.model_name).inc()
+    metrics.PROMPT_TOKENS.labels(params.model_name).inc(len(params.prompt_ids))
     try:
         while True:
-            step = _Step(t_start=time.perf_counter())
+            step = StepInProgress(t_start=time.perf_counter())
             if is_disconnected is not None and await is_disconnected():
                 req.finish = "cancelled"
                 break
@@ -740,7 +431,7 @@ async def generate(
                 break
             overlap = req.overlap_now()
             req.choose_k(step, remaining, overlap)
-            K_CHOSEN.observe(max(step.k, 0))
+            metrics.K_CHOSEN.observe(max(step.k, 0))
             await req.fetch_draft(step)
             if overlap:
                 req.start_predraft(step, remaining)
@@ -752,8 +443,8 @@ async def generate(
                 break
         yield req.result()
     finally:
-        ACTIVE.dec()
-        RUNNING.labels(params.model_name).dec()
+        metrics.ACTIVE.dec()
+        metrics.RUNNING.labels(params.model_name).dec()
         req.close()
 
 
@@ -781,11 +472,6 @@ async def verify_when_admitted(call: Callable[[Any], Any], make: Callable[[], An
             if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or delay is None:
                 raise
             await asyncio.sleep(delay)
-
-
-def _cut_at_stop(text: str, stop: list[str]) -> str:
-    positions = [p for p in (text.find(s) for s in stop if s) if p >= 0]
-    return text[: min(positions)] if positions else text
 
 
 async def _release(clients: list, session_id: str, inflight: set[asyncio.Future]) -> None:

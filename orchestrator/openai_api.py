@@ -12,7 +12,7 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -188,53 +188,66 @@ def _message(text: str, tool_plan: Any, finish: str) -> tuple[dict[str, Any], st
 
 async def _respond(runs: list[Any], request: Request, stream: bool, chat: bool, tool_plan: Any = None,
                    echo: str = ""):
-    rt = runs[0].rt
-    tokenizer = rt.tokenizer
-    ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    created = int(time.time())
-    model = rt.model_name
-    top = runs[0].params.logprobs
-    wants_logprobs = top is not None
-    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
-
-    def logprobs_of(ids: list[int], entries: list[Any], offset: int = 0) -> dict[str, Any] | None:
-        if not wants_logprobs:
-            return None
-        return (_chat_logprobs(tokenizer, ids, entries) if chat
-                else _completion_logprobs(tokenizer, ids, entries, top, offset))
-
+    """The reply to a request's choices: the whole completion, or its event stream; a failure
+    before the choices have started frees every one's slot."""
+    reply = _Reply(runs, stream, chat, tool_plan, echo)
     try:
         if not stream:
-            results = await _all(collect(run, request) for run in runs)
-            choices = []
-            for index, (_, result) in enumerate(results):
-                finish = _finish(result["finish_reason"])
-                lp = logprobs_of(result["token_ids"], result["logprobs"] or [])
-                if chat:
-                    message, finish = _message(result["text"], tool_plan, finish)
-                    choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": lp})
-                else:
-                    choices.append({"index": index, "text": echo + result["text"], "finish_reason": finish,
-                                    "logprobs": lp})
-            stats = [result["stats"] for _, result in results]
-            return {"id": ident, "object": kind, "created": created, "model": model, "choices": choices,
-                    "usage": _usage([result for _, result in results]),
-                    "specdec": stats[0] if len(stats) == 1 else stats}
+            return reply.completion(await _all(collect(run, request) for run in runs))
         streams = await _all(start_stream(run, request) for run in runs)
     except BaseException:
         for run in runs:  # the choices that never started hold their slots until here
             run.release()
         raise
+    return BoundedEventSource(reply.sse(streams), reply.rt.settings.stream_send_timeout_s)
 
-    # With stop strings a step's tokens may end past the text returned: their logprobs come with
-    # the last chunk, cut to the tokens of the text; without, with each step's text.
-    # With tools the text is held until the end, where the calls are parsed out of it.
-    per_step = not runs[0].params.stop and tool_plan is None
-    several = len(runs) > 1
 
-    def chunk(index: int, delta: str | None, finish: str | None, first: bool = False, extra: dict | None = None,
+class _Reply:
+    """One OpenAI reply to a request's choices (``runs``): a whole completion, or its stream of
+    chunks, in the chat or the legacy completion shape."""
+
+    def __init__(self, runs: list[Any], stream: bool, chat: bool, tool_plan: Any, echo: str) -> None:
+        self.rt = runs[0].rt
+        self.tokenizer = self.rt.tokenizer
+        self.ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.model = self.rt.model_name
+        self.top = runs[0].params.logprobs
+        self.wants_logprobs = self.top is not None
+        self.kind = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")
+        self.chat, self.tool_plan, self.echo = chat, tool_plan, echo
+        # With stop strings a step's tokens may end past the text returned: their logprobs come with
+        # the last chunk, cut to the tokens of the text; without, with each step's text.
+        # With tools the text is held until the end, where the calls are parsed out of it.
+        self.per_step = not runs[0].params.stop and tool_plan is None
+        self.several = len(runs) > 1
+
+    def logprobs_of(self, ids: list[int], entries: list[Any], offset: int = 0) -> dict[str, Any] | None:
+        if not self.wants_logprobs:
+            return None
+        return (_chat_logprobs(self.tokenizer, ids, entries) if self.chat
+                else _completion_logprobs(self.tokenizer, ids, entries, self.top, offset))
+
+    def completion(self, results: list[Any]) -> dict[str, Any]:
+        """The whole reply, from each choice's (_, result)."""
+        choices = []
+        for index, (_, result) in enumerate(results):
+            finish = _finish(result["finish_reason"])
+            lp = self.logprobs_of(result["token_ids"], result["logprobs"] or [])
+            if self.chat:
+                message, finish = _message(result["text"], self.tool_plan, finish)
+                choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": lp})
+            else:
+                choices.append({"index": index, "text": self.echo + result["text"], "finish_reason": finish,
+                                "logprobs": lp})
+        stats = [result["stats"] for _, result in results]
+        return {"id": self.ident, "object": self.kind, "created": self.created, "model": self.model, "choices": choices,
+                "usage": _usage([result for _, result in results]),
+                "specdec": stats[0] if len(stats) == 1 else stats}
+
+    def chunk(self, index: int, delta: str | None, finish: str | None, first: bool = False, extra: dict | None = None,
               logprobs: dict[str, Any] | None = None, calls: list[dict[str, Any]] | None = None) -> str:
-        if chat:
+        if self.chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if delta:
                 d["content"] = delta
@@ -243,50 +256,55 @@ async def _respond(runs: list[Any], request: Request, stream: bool, chat: bool, 
             choice = {"index": index, "delta": d, "finish_reason": finish, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
-        return json.dumps({"id": ident, "object": kind, "created": created, "model": model, "choices": [choice],
-                           **(extra or {})})
+        return json.dumps({"id": self.ident, "object": self.kind, "created": self.created, "model": self.model,
+                           "choices": [choice], **(extra or {})})
 
-    async def choice_sse(index: int, events: AsyncIterator[Any]) -> AsyncIterator[tuple[str, Any]]:
+    async def choice_sse(self, index: int, events: AsyncIterator[Any]) -> AsyncIterator[tuple[str, Any]]:
         """("data", chunk) items of one choice, then ("done", its result) or ("error", body)."""
         try:
-            async for item in _choice_items(index, events):
+            async for item in self._choice_items(index, events):
                 yield item
         finally:
             await events.aclose()  # a client gone: the generation ends and frees its slot now
 
-    async def _choice_items(index: int, events: AsyncIterator[Any]) -> AsyncIterator[tuple[str, Any]]:
+    async def _choice_items(self, index: int, events: AsyncIterator[Any]) -> AsyncIterator[tuple[str, Any]]:
         offset = 0
-        if chat:
-            yield "data", chunk(index, None, None, first=True)
-        elif echo:
-            yield "data", chunk(index, echo, None)
+        if self.chat:
+            yield "data", self.chunk(index, None, None, first=True)
+        elif self.echo:
+            yield "data", self.chunk(index, self.echo, None)
         async for event, payload in events:
-            if event == "step" and tool_plan is not None:
+            if event == "step" and self.tool_plan is not None:
                 continue  # the text comes with "done", the calls parsed out of it
-            if event == "step" and (payload.text or (per_step and wants_logprobs and payload.tokens)):
-                lp = logprobs_of(payload.tokens, payload.logprobs or [], offset) if per_step else None
+            if event == "step" and (payload.text or (self.per_step and self.wants_logprobs and payload.tokens)):
+                lp = self.logprobs_of(payload.tokens, payload.logprobs or [], offset) if self.per_step else None
                 offset += len(payload.text)
-                yield "data", chunk(index, payload.text, None, logprobs=lp)
+                yield "data", self.chunk(index, payload.text, None, logprobs=lp)
             elif event == "done":
-                lp = None
-                if wants_logprobs and not per_step:
-                    lp = logprobs_of(payload["token_ids"], payload["logprobs"] or [])
-                finish = _finish(payload["finish_reason"])
-                if tool_plan is not None:
-                    message, finish = _message(payload["text"], tool_plan, finish)
-                    if message["content"] or message.get("tool_calls"):
-                        yield "data", chunk(index, message["content"], None, calls=message.get("tool_calls"))
-                # one choice: usage and statistics ride on its last chunk; several: a chunk of their own
-                extra = None if several else {"usage": _usage([payload]), "specdec": payload["stats"]}
-                yield "data", chunk(index, None, finish, logprobs=lp, extra=extra)
-                yield "done", payload
+                for item in self._last_chunks(index, payload):
+                    yield item
             elif event == "error":
                 yield "error", json.dumps(error_body(payload["status"], payload["detail"]))
                 return
 
-    async def sse() -> AsyncIterator[dict[str, str]]:
+    def _last_chunks(self, index: int, payload: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+        """A choice's closing items: the tool calls parsed out of its text, its finish, its result."""
+        lp = None
+        if self.wants_logprobs and not self.per_step:
+            lp = self.logprobs_of(payload["token_ids"], payload["logprobs"] or [])
+        finish = _finish(payload["finish_reason"])
+        if self.tool_plan is not None:
+            message, finish = _message(payload["text"], self.tool_plan, finish)
+            if message["content"] or message.get("tool_calls"):
+                yield "data", self.chunk(index, message["content"], None, calls=message.get("tool_calls"))
+        # one choice: usage and statistics ride on its last chunk; several: a chunk of their own
+        extra = None if self.several else {"usage": _usage([payload]), "specdec": payload["stats"]}
+        yield "data", self.chunk(index, None, finish, logprobs=lp, extra=extra)
+        yield "done", payload
+
+    async def sse(self, streams: list[AsyncIterator[Any]]) -> AsyncIterator[dict[str, str]]:
         results = []
-        async for item, data in merge([choice_sse(i, events) for i, events in enumerate(streams)]):
+        async for item, data in merge([self.choice_sse(i, events) for i, events in enumerate(streams)]):
             if item == "done":
                 results.append(data)
                 continue
@@ -294,13 +312,11 @@ async def _respond(runs: list[Any], request: Request, stream: bool, chat: bool, 
             if item == "error":
                 break
         else:
-            if several:
-                yield {"data": json.dumps({"id": ident, "object": kind, "created": created, "model": model,
-                                           "choices": [], "usage": _usage(results),
+            if self.several:
+                yield {"data": json.dumps({"id": self.ident, "object": self.kind, "created": self.created,
+                                           "model": self.model, "choices": [], "usage": _usage(results),
                                            "specdec": [r["stats"] for r in results]})}
         yield {"data": "[DONE]"}
-
-    return BoundedEventSource(sse(), rt.settings.stream_send_timeout_s)
 
 
 async def _all(calls: Any) -> list[Any]:

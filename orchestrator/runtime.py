@@ -14,8 +14,9 @@ from typing import Any
 import grpc
 
 from orchestrator.clients import NOT_SERVING
-from orchestrator.controller import CostModel, Topology, compute_site
-from orchestrator.loop import DraftHealth, ModelLimits
+from orchestrator.controller_inputs import Topology, compute_site
+from orchestrator.cost_model import CostModel
+from orchestrator.generation import DraftHealth, ModelLimits
 from orchestrator.replicas import DraftPool, TargetPool
 from orchestrator.settings import OrchestratorSettings
 from specdec import process
@@ -135,6 +136,19 @@ async def connect(rt: Runtime) -> None:
         rt.not_ready = f"target service at {rt.settings.target_address} {_unreachable(exc)}"
         return
     rt.target_info = _info_dict(target)
+    draft = await _draft_info(rt)
+    problem = _mismatch(target, draft) or await _ensure_tokenizer(rt, target)
+    if problem:
+        rt.not_ready = problem
+        return
+    rt.limits = _model_limits(target, draft)
+    rt.not_ready = ""
+    if draft is not None:
+        rt.degraded = ""
+
+
+async def _draft_info(rt: Runtime) -> Any:
+    """The draft's Info, or None (and the runtime degraded) when its pool gave none."""
     try:
         draft = await rt.draft.info()
         rt.draft_info = _info_dict(draft)
@@ -143,20 +157,29 @@ async def connect(rt: Runtime) -> None:
         rt.degraded = f"draft service at {rt.settings.draft_address} {_unreachable(exc)}; decoding without drafts"
         rt.draft_info = {}
         draft = None
+    return draft
+
+
+def _mismatch(target: Any, draft: Any) -> str:
+    """Why this draft cannot serve beside this target ("" when it can, or when there is no draft)."""
     if draft is not None and draft.tokenizer_fingerprint and draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
-        rt.not_ready = (
+        return (
             f"draft and target tokenizers differ (draft {draft.model_id}: {draft.tokenizer_fingerprint[:12]}, "
             f"target {target.model_id}: {target.tokenizer_fingerprint[:12]}); pair models that share a tokenizer"
         )
-        return
     if draft is not None and draft.tokenizer_fingerprint and draft.vocab_size > target.vocab_size:
         # Same tokenizer, but a larger embedding table could let the draft propose ids the target
         # cannot take (each such step would be verified again without its draft).
-        rt.not_ready = (
+        return (
             f"the draft's vocabulary ({draft.model_id}: {draft.vocab_size} ids) is larger than the target's "
             f"({target.model_id}: {target.vocab_size} ids); pair a draft whose ids the target accepts"
         )
-        return
+    return ""
+
+
+async def _ensure_tokenizer(rt: Runtime, target: Any) -> str:
+    """Load the target's tokenizer unless the one loaded is still the target's; why not ("" once
+    it is loaded and matches)."""
     if rt.tokenizer is not None and rt.tokenizer_fingerprint != target.tokenizer_fingerprint:
         # the target now serves another model (a rollout): text must not be decoded with the old vocabulary
         logger.warning("the target's tokenizer changed (%s): loading it again", target.model_id)
@@ -168,20 +191,23 @@ async def connect(rt: Runtime) -> None:
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, spec)
         except Exception as exc:
-            rt.not_ready = f"cannot load tokenizer {spec!r}: {exc}"
-            return
+            return f"cannot load tokenizer {spec!r}: {exc}"
         fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer)
         if fingerprint != target.tokenizer_fingerprint:
-            rt.not_ready = f"tokenizer {spec!r} does not match the target's ({target.model_id})"
-            return
+            return f"tokenizer {spec!r} does not match the target's ({target.model_id})"
         rt.token_chars, rt.encodes_spaces = await asyncio.to_thread(longest_token_chars, tokenizer)
         rt.tokenizer, rt.tokenizer_fingerprint = tokenizer, fingerprint
+    return ""
+
+
+def _model_limits(target: Any, draft: Any) -> ModelLimits:
+    """What the loop needs of both services' Info (no draft: no drafting), and where each party computes."""
     # where each party computes: a host's cores, or a device on it (a GPU target and a CPU draft on
     # one host do not take each other's compute)
     target_site = compute_site(target.host_id, target.device, target.cpu_cores)
     draft_site = compute_site(draft.host_id, draft.device, draft.cpu_cores) if draft is not None else None
     topology = Topology(target_site, draft_site, (process.host_id(), process.cpu_cores()))
-    rt.limits = ModelLimits(
+    return ModelLimits(
         target_max_context=target.max_context,
         target_max_draft=target.max_draft_tokens,
         draft_max_context=draft.max_context if draft is not None else 0,
@@ -190,9 +216,6 @@ async def connect(rt: Runtime) -> None:
         draft_shares_host=topology.draft_shares_target(),
         topology=topology,
     )
-    rt.not_ready = ""
-    if draft is not None:
-        rt.degraded = ""
 
 
 async def keep_connected(rt: Runtime) -> None:

@@ -213,8 +213,9 @@ class Step(BaseModel):
 
 
 class GenerationStatsOut(BaseModel):
-    """What one generation cost and gained (``orchestrator.loop.GenerationStats.to_dict``; a test keeps
-    the two equal, so a renamed figure fails there instead of in the dashboard or the benchmark)."""
+    """What one generation cost and gained (``orchestrator.step_accounting.GenerationStats.to_dict``;
+    a test keeps the two equal, so a renamed figure fails there instead of in the dashboard or the
+    benchmark)."""
 
     tokens: int = Field(description="Tokens generated.")
     iterations: int = Field(description="Loop steps: one target pass each.")

@@ -1,9 +1,10 @@
 """GET /v1/server: a live snapshot of the whole deployment for operators and the dashboard.
 
-Every rate and mean is windowed: the orchestrator's own Prometheus counters (orchestrator.loop)
-are sampled every second and on every call, each model service's scheduler counters (Info)
-whenever the route is asked (at most once a second), and a rate is the difference between the
-newest sample and the oldest one in the last ``WINDOW_S`` seconds, over the time between them.
+Every rate and mean is windowed: the orchestrator's own Prometheus counters
+(orchestrator.generation_metrics) are sampled every second and on every call, each model
+service's scheduler counters (Info) whenever the route is asked (at most once a second), and a
+rate is the difference between the newest sample and the oldest one in the last ``WINDOW_S``
+seconds, over the time between them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import grpc
 from fastapi import APIRouter, FastAPI, Request
 
-from orchestrator.loop import (
+from orchestrator.generation_metrics import (
     ACCEPTED_PER_POSITION,
     ACCEPTED_TOKENS,
     DRAFT_TOKENS,

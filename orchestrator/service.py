@@ -16,14 +16,14 @@ from fastapi import HTTPException, Request
 from prometheus_client import Gauge
 
 from orchestrator.controller import make_controller
-from orchestrator.loop import (
+from orchestrator.generation import (
     BadRequest,
     GenerationParams,
     GenerationResult,
     TargetBusy,
     TargetUnavailable,
-    generate,
 )
+from orchestrator.loop import generate
 from orchestrator.runtime import Runtime
 from orchestrator.schemas import ChatMessage, GenerateRequest, SpeculationParams, Step
 from specdec.params import Sampling

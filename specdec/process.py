@@ -11,28 +11,26 @@ logger = logging.getLogger(__name__)
 
 # OpenMP spin iterations before an idle thread sleeps (libgomp's default is 300,000). The target
 # and the draft alternate on the same cores: after a Verify, a long spin keeps both cores busy while
-# the draft drafts. Measured through the services (embedded pair, 2 cores, fixed k = 4): default
-# spin 28.6 tok/s (draft 19 ms/token), 20,000 43.6 tok/s (draft 9.5 ms/token) with the target's own
-# forward unchanged; much shorter spins slow the target's forward. Passive waiting
-# (OMP_WAIT_POLICY=PASSIVE) is worse still for both: it slowed the target's forward from 40 to 67
-# ms (k = 0), and llama.cpp's threads, which libgomp also serves, meet at a barrier after every op
-# and then sleep at each one (2 threads: 29.8 ms per draft token against 8.5 ms with this spin).
+# the draft drafts; much shorter spins slow the target's forward. Passive waiting
+# (OMP_WAIT_POLICY=PASSIVE) is worse still for both: llama.cpp's threads, which libgomp also serves,
+# meet at a barrier after every op and then sleep at each one (docs/performance.md, "Threads and
+# processes", has the measurements).
 SPIN_COUNT = 20_000
 
 # glibc malloc: blocks of at least this many bytes are mapped on their own and unmapped when freed.
 # glibc's default threshold starts at 128 KiB but rises after each large free (up to 32 MiB), after
 # which KV buffers (the embedded target: 2.9 MiB per 64 cached tokens) and big activations come
 # from the heap, whose holes a server that creates and drops sessions of every length never gives
-# back: a 30 s soak of mixed traffic grew the target's RSS by 4-15 % from one run to the next.
+# back (docs/performance.md, "Memory under mixed traffic").
 # A fixed threshold turns the dynamic one off. Below it, a decoding step's own blocks (logits of
 # a few rows, activations) stay on the heap and are reused. MALLOC_MMAP_THRESHOLD_ in the
 # environment (glibc's own setting) wins.
 MMAP_THRESHOLD = 1 << 20
 # With the mmap threshold fixed, glibc gives the heap's free top back to the system whenever it
 # exceeds 128 KiB (M_TRIM_THRESHOLD's default), and the next temporaries fault it in again page by
-# page: a sampling verify's per-row top-k / top-p sorts took ~2,900 page faults, ~5 ms of a 16-token
-# verify (docs/performance.md, "Megabytes mapped a step"). Up to this much free top stays (a bound,
-# not growth: ~2 % of the draft service's RSS). MALLOC_TRIM_THRESHOLD_ in the environment wins.
+# page: a sampling verify's per-row top-k / top-p sorts fault thousands of pages (docs/performance.md,
+# "Megabytes mapped a step"). Up to this much free top stays (a bound, not growth).
+# MALLOC_TRIM_THRESHOLD_ in the environment wins.
 TRIM_THRESHOLD = 16 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
 
@@ -61,7 +59,7 @@ def bound_openmp_spin() -> None:
     unless the environment says otherwise). libgomp reads it when torch is first imported, so a
     service whose start-up may import torch before :func:`configure_torch` (the draft's ``auto``
     backend choice builds specdec.native) calls this first. Unbounded, an idle draft's threads
-    spun ~10 ms after every Propose, on the cores the target's Verify was using (docs/performance.md)."""
+    spin after every Propose on the cores the target's Verify is using (docs/performance.md)."""
     if "torch" not in sys.modules:
         os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
 

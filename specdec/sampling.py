@@ -121,7 +121,7 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 # Top-p looks for its cut among this many top logits first: a partial selection instead of a sort
-# of the whole vocabulary (3.3 ms a row of 49,152), nearly always enough since the kept set is
+# of the whole vocabulary (milliseconds a row of a large vocabulary), nearly always enough since the kept set is
 # rarely this large; when it is not, it looks again among all of them (a full sort).
 TOP_P_PREFIX = 1024
 
@@ -168,8 +168,8 @@ def uniform(seed: int, position: int) -> float:
 # Speculative sampling is lossless for any proposal distribution q, as long as the draft token is
 # drawn from q and the target verifies against that same q, so this changes how often drafts are
 # accepted, never what the output's law is. Without it a request with no top-k or top-p sent the
-# whole vocabulary per draft token (~330 KB on the embedded model: ~12 ms of conversions and
-# protobuf between the three services, against a 4 ms draft token; docs/design.md).
+# whole vocabulary per draft token (~330 KB on the embedded model, whose conversions and protobuf
+# between the three services cost more than a draft token; docs/design.md).
 DRAFT_SUPPORT = 512
 
 

@@ -337,7 +337,7 @@ def watch_compute(compute: ComputeThread, health_servicer: BoundedHealth, stop: 
     call waits out its deadline), SERVING again once it turns. Runs on its own thread."""
     hung = False
     while not stop.wait(poll_s):
-        stale = time.monotonic() - compute.heartbeat
+        stale = compute.since_turn()
         if (stale > hang_s) != hung:
             hung = not hung
             if hung:

@@ -51,6 +51,16 @@ class ModelServiceSettings(BaseSettings):
     kv_budget_mb: float = Field(1024, gt=0, description="KV cache budget in MiB across sessions (LRU eviction).")
     session_ttl_s: float = Field(600, ge=0, description="Drop sessions idle this long (0 keeps them).")
     max_draft_tokens: int = Field(32, ge=1, le=256, description="Largest draft a request may ask for / verify.")
+    max_batch_rows: int = Field(
+        256, ge=1, description="Token rows per batched forward pass (new tokens across its sessions); long prompts "
+                               "are prefilled in chunks within it (specdec.engine.planner)."
+    )
+    shared_prefill_rows: int = Field(
+        64, ge=0,
+        description="Rows of long prefills in a pass that also decodes for other sessions (their inter-token latency); "
+                    "a prefill alone uses max_batch_rows. 0: always max_batch_rows.",
+    )
+
     workers: int = Field(
         136, ge=5, description="gRPC worker threads; at least max_queued_calls + 4, so health and Info always find one."
     )

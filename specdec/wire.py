@@ -4,22 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdec import params as sm
 from specdec import process
-from specdec.params import ModelInfo
+from specdec.params import ModelInfo, Sampling
 from specdec.v1 import specdec_pb2 as pb
 
 
-def sampling_from_pb(msg: pb.SamplingParams) -> sm.Sampling:
+def sampling_from_pb(msg: pb.SamplingParams) -> Sampling:
     # proto3 zero values mean "off": top_p 0 is no nucleus filtering.
     top_p = msg.top_p if msg.top_p > 0 else 1.0
-    return sm.Sampling(temperature=msg.temperature, top_p=top_p, top_k=msg.top_k, seed=msg.seed, grammar=msg.grammar,
+    return Sampling(temperature=msg.temperature, top_p=top_p, top_k=msg.top_k, seed=msg.seed, grammar=msg.grammar,
                        output_start=msg.output_start, presence_penalty=msg.presence_penalty,
                        frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty or 1.0,
                        logit_bias=tuple(sorted(msg.logit_bias.items())), min_p=msg.min_p)
 
 
-def sampling_to_pb(s: sm.Sampling) -> pb.SamplingParams:
+def sampling_to_pb(s: Sampling) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, grammar=s.grammar,
                              output_start=s.output_start, presence_penalty=s.presence_penalty,
                              frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,

@@ -33,14 +33,6 @@ class TargetSettings(ModelServiceSettings):
 
     port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 picks a free one).")
     metrics_port: int | None = Field(9102, ge=0, le=65535, description="Prometheus /metrics port; unset disables.")
-    max_batch_rows: int = Field(
-        256, ge=1, description="Token rows per batched forward pass; long prompts are prefilled in chunks within it."
-    )
-    shared_prefill_rows: int = Field(
-        64, ge=0,
-        description="Rows of long prefills in a pass that also decodes for other sessions (their inter-token latency); "
-                    "a prefill alone uses max_batch_rows. 0: always max_batch_rows.",
-    )
     overlap_threads: int = Field(
         1, ge=0, description="Threads of a pass verifying while a draft computes on the same host (overlapped "
                              "speculation asks for it); 0: all of `threads`."

@@ -14,32 +14,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec import sampling as sm
 from specdec.engine.compute import PENDING, CpuAccounted, StepResult, run_alone
-from specdec.engine.executor import Executor, ForwardRequest, torch_threads
+from specdec.engine.executor import Executor, ForwardRequest
+from specdec.engine.planner import Budget, Need, Slot, plan
 from specdec.engine.requests import eos_ids, validate_context, validate_session_id, validate_tokens
-from specdec.engine.sessions import SessionsFull, SessionStore, common_prefix_len
+from specdec.engine.sessions import Session, SessionsFull, SessionStore
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import Grammars
 from specdec.grammar import apply as apply_mask
 from specdec.models import LoadedModel, gguf_tokenizer_fingerprint, load_hf, load_tokenizer, tokenizer_fingerprint
 from specdec.params import ModelInfo
+from specdec.sampling import STREAM_TARGET, Sampling, probabilities, process, sample, verify_greedy, verify_sampling
 
 if TYPE_CHECKING:
     from target_service.settings import TargetSettings
 
 logger = logging.getLogger(__name__)
 
-# Rows of one forward pass (new tokens across its sessions). Verify-sized work (a draft plus the
-# tokens a session missed since its last call) always goes first; long prefills fill what is left,
-# in chunks. Measured on 2 cores (embedded target): a pass of 256 rows takes ~0.3 s, which bounds
-# how long a prefill can delay everyone else's next token.
-DEFAULT_MAX_BATCH_ROWS = 256
-VERIFY_SIZED_ROWS = 64
-MIN_PREFILL_CHUNK = 16
-# Prefill rows in a pass that decodes for other sessions too: in one A/B at 8 plain streams of 48
-# tokens, 64 against 256 cut p99 inter-token latency from 280 to 211 ms at equal throughput.
-DEFAULT_SHARED_PREFILL_ROWS = 64
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 DEFAULT_MAX_QUEUED_DISTRIBUTION_BYTES = 64 << 20
 LOGPROB_FLOOR = -9999.0  # a processed logprob of a token its distribution excludes (OpenAI's floor)
@@ -53,7 +44,7 @@ class VerifyJob(CpuAccounted):
     session_id: str
     tokens: list[int]  # [n] committed tokens
     draft: list[int]  # [k] draft tokens
-    sampling: sm.Sampling
+    sampling: Sampling
     # k sparse draft distributions, (ids int32, probs float32) (sampling with a draft), else None:
     # dense, 128 waiting verifications of 32 draft tokens held 0.8 GB of zeros outside the KV budget
     q: list[tuple[torch.Tensor, torch.Tensor]] | None
@@ -159,34 +150,47 @@ class TargetEngine:
     backend = "transformers"
 
     def __init__(self, loaded: LoadedModel, store: SessionStore, *, max_draft_tokens: int = 32,
-                 max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, overlap_threads: int = 0,
-                 shared_prefill_rows: int = DEFAULT_SHARED_PREFILL_ROWS, pack_weights: bool = True,
-                 use_runner: bool = True, native: bool = True, gguf: GGUFModel | None = None,
+                 max_batch_rows: int = 256, overlap_threads: int = 0, shared_prefill_rows: int = 64,
+                 pack_weights: bool = True, use_runner: bool = True, native: bool = True, gguf: GGUFModel | None = None,
                  max_queued_distribution_bytes: int = DEFAULT_MAX_QUEUED_DISTRIBUTION_BYTES) -> None:
         self.loaded = loaded
         self.held_distributions = HeldBytes(max_queued_distribution_bytes)
-        # Rows of long prefills in a pass that also decodes for other sessions (0: max_batch_rows).
-        self.shared_prefill_rows = max(shared_prefill_rows, MIN_PREFILL_CHUNK) if shared_prefill_rows else 0
+        self.budget = Budget.of(max_batch_rows, shared_prefill_rows, max_draft_tokens + 1)
         # Threads of a pass that verifies while a draft computes on this host (0: no change).
         self.overlap_threads = overlap_threads
         self.lm = Executor(loaded.model, store, pack_weights, use_runner, native=native,
-                                 quant=gguf.quant if gguf is not None else None)
+                           quant=gguf.quant if gguf is not None else None)
         if gguf is not None:
             gguf.check(self.lm)
         self.store = store
         self.max_draft_tokens = max_draft_tokens
-        self.max_batch_rows = max(max_batch_rows, max_draft_tokens + 1 + MIN_PREFILL_CHUNK)
-        config = loaded.model.config
+        # which engine computes it: specdec's runner on its own kernels, or transformers' forward
+        self.backend = "native" if self.lm.runner is not None else "transformers"
+        self._info = self._describe(gguf)
+        # a GGUF target has no transformers tokenizer loaded: the one its file carries, on first use
+        self.grammars = Grammars(lambda: loaded.tokenizer or load_tokenizer(loaded.source), self.lm.vocab_size,
+                                 self._info.eos_token_ids)
+
+    @property
+    def max_batch_rows(self) -> int:
+        return self.budget.max_rows
+
+    @property
+    def shared_prefill_rows(self) -> int:
+        """Rows of long prefills in a pass that also decodes for other sessions (0: max_batch_rows)."""
+        return self.budget.shared_prefill_rows
+
+    def _describe(self, gguf: GGUFModel | None) -> ModelInfo:
+        loaded, config = self.loaded, self.loaded.model.config
         if gguf is not None:
-            self.backend = "native"
             fingerprint, _, eos = gguf_tokenizer_fingerprint(gguf.file)
             dtype, eos_tokens = gguf.file_type, sorted(eos)
             for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
-                gguf.file.fields.pop(key, None)  # ~9 MB of Python strings for a 49k vocabulary, read once
+                gguf.file.fields.pop(key, None)  # megabytes of Python strings for a large vocabulary, read once
         else:
             fingerprint, dtype = tokenizer_fingerprint(loaded.tokenizer), str(loaded.model.dtype).removeprefix("torch.")
             eos_tokens = eos_ids(config, loaded.tokenizer, getattr(loaded.model, "generation_config", None))
-        self._info = ModelInfo(
+        return ModelInfo(
             model_id=loaded.model_id,
             architecture=(config.architectures or [type(loaded.model).__name__])[0],
             vocab_size=self.lm.vocab_size,
@@ -195,12 +199,9 @@ class TargetEngine:
             dtype=dtype,
             device=str(self.lm.device),
             backend=self.backend,
-            max_draft_tokens=max_draft_tokens,
+            max_draft_tokens=self.max_draft_tokens,
             eos_token_ids=eos_tokens,
         )
-        # a GGUF target has no transformers tokenizer loaded: the one its file carries, on first use
-        self.grammars = Grammars(lambda: loaded.tokenizer or load_tokenizer(loaded.source), self.lm.vocab_size,
-                                 eos_tokens)
 
     @classmethod
     def from_settings(cls, settings: TargetSettings, *, loaded: LoadedModel | None = None) -> TargetEngine:
@@ -251,7 +252,7 @@ class TargetEngine:
         session_id: str,
         tokens: Sequence[int],
         draft: Sequence[int] = (),
-        sampling: sm.Sampling = sm.Sampling(),
+        sampling: Sampling = Sampling(),
         draft_distributions: Sequence[tuple[Sequence[int], Sequence[float]]] = (),
         return_target_probs: bool = False,
         yield_cores: bool = False,
@@ -295,28 +296,22 @@ class TargetEngine:
     def step(self, jobs: list[VerifyJob]) -> StepResult:
         """One batched forward pass over the jobs waiting (oldest first): see :class:`StepResult`.
 
-        Rows are budgeted (``max_batch_rows``): verify-sized work first, in arrival order, then
-        chunks of long prefills with what is left (at least MIN_PREFILL_CHUNK rows while one
-        waits), so one long prompt never stalls everyone else's decoding for its whole prefill. A
-        job whose prefill is not finished stays PENDING (its cache keeps the chunk: the next step
-        reuses it as a common prefix). One call per session per pass; a second call on the same
-        session waits for the next step.
+        Planned by specdec.engine.planner under the row budget (``max_batch_rows``): greedy
+        verify-sized work shares the pass, each sampling job gets a pass of its own, long prefills
+        go in chunks with what is left, so one long prompt never stalls everyone else's decoding for
+        its whole prefill. A job whose prefill is not finished stays PENDING (its cache keeps the
+        chunk: the next step reuses it as a common prefix). One call per session per pass; a
+        second call on the same session waits for the next step.
         """
         outcomes: list = [PENDING] * len(jobs)
         with self.lm.lock:
-            plan, solo = self._plan(jobs)
+            shared, alone = self._plan(jobs)
+            plan = shared + alone
             now = time.perf_counter_ns()
-            for i, _ in plan + solo:
+            for i, _ in plan:
                 jobs[i].started_ns = jobs[i].started_ns or now
-            # Greedy jobs share one pass. A batched pass may round a row's logits differently
-            # from a pass alone (harmless for argmax, but it moves a seeded sampling request's
-            # acceptance tests), so each sampling job gets a pass of its own, chunked as if alone:
-            # its output is then the same under any load.
-            with torch_threads(self.overlap_threads if any(jobs[i].yield_cores for i, _ in plan) else 0):
-                results = self.lm.forward_batch([request for _, request in plan]) if plan else []
-            for item in solo:
-                results += self.lm.forward_batch([item[1]])
-                plan.append(item)
+            threads = self.overlap_threads if any(jobs[i].yield_cores for i, _ in plan) else 0
+            results = self.lm.run([r for _, r in shared], [r for _, r in alone], threads)
         rows = sum(r.rows for r in results if not isinstance(r, BaseException))
         ran = sum(1 for r in results if not isinstance(r, BaseException) and r.rows)
         for (i, request), result in zip(plan, results, strict=True):
@@ -330,66 +325,28 @@ class TargetEngine:
         return StepResult(outcomes, ran, rows)
 
     def _plan(self, jobs: list[VerifyJob]) -> tuple[list[tuple[int, ForwardRequest]], list[tuple[int, ForwardRequest]]]:
-        """The step's plan (called under the model's lock): (job index, forward request) of the
-        greedy jobs that share this pass, and of the sampling jobs that each get a pass alone."""
-        plan: list[tuple[int, ForwardRequest]] = []
-        sessions, needs = {}, []
-        for job in jobs:
+        """The step's plan (called under the model's lock; see specdec.engine.planner): (job index,
+        forward request) of the greedy jobs that share this pass, and of the sampling jobs that each
+        get a pass alone (chunked as if nothing else waited: their output must not depend on the load)."""
+        sessions: dict[str, Session] = {}
+        needs: list[Need] = []
+        for i, job in enumerate(jobs):
             if job.session_id in sessions:
-                needs.append(None)
-                continue
+                continue  # one call per session a pass: a second waits for the next step
             try:  # never evicting a session this step computes for: more than the store holds wait
                 session = sessions[job.session_id] = self.lm.session(job.session_id, keep=sessions)
             except SessionsFull:
-                needs.append(None)
                 continue
-            cached = min(common_prefix_len(session.tokens, job.tokens), len(job.tokens) - 1)
-            needs.append((session, cached, len(job.tokens) + len(job.draft) - cached))
-        waiting_prefill = any(n is not None and n[2] > VERIFY_SIZED_ROWS for n in needs)
-        budget = self.max_batch_rows - (MIN_PREFILL_CHUNK if waiting_prefill else 0)
-        planned: set[int] = set()
-        solo: list[tuple[int, ForwardRequest]] = []
-        for i, need in enumerate(needs):  # 1. greedy verify-sized work, oldest first: a token each a step
-            if (need is not None and jobs[i].sampling.greedy and need[2] <= VERIFY_SIZED_ROWS
-                    and need[2] <= budget):
-                job = jobs[i]
-                plan.append((i, ForwardRequest(need[0], job.tokens + job.draft, len(job.draft) + 1)))
-                planned.add(i)
-                budget -= need[2]
-        for i, need in enumerate(needs):  # 2. sampling jobs, oldest first, each a pass alone
-            if need is None or jobs[i].sampling.greedy:
-                continue
-            session, cached, rows = need
-            job = jobs[i]
-            # chunked as if nothing else waited (its output must not depend on the load), and
-            # counted against the same row budget as everything else in the step, one pass at
-            # least: 48 of them each computed alone in one step took 14 s, past the hang watchdog
-            request = (ForwardRequest(session, job.tokens + job.draft, len(job.draft) + 1) if rows <= self.max_batch_rows
-                       else ForwardRequest(session, job.tokens[:min(cached + self.max_batch_rows, len(job.tokens) - 1)], 0))
-            cost = min(rows, self.max_batch_rows)
-            if solo and cost > budget:
-                break  # in order: a later, smaller one does not overtake it
-            solo.append((i, request))
-            planned.add(i)
-            budget -= cost
-        budget += MIN_PREFILL_CHUNK if waiting_prefill else 0
-        if plan and self.shared_prefill_rows:
-            # Others decode in this pass: a smaller prefill chunk keeps their next token close.
-            budget = min(budget, self.shared_prefill_rows)
-        for i, need in enumerate(needs):  # 3. the rest (long greedy prefills), whole or in chunks, oldest first
-            if need is None or i in planned or not jobs[i].sampling.greedy or budget <= 0:
-                continue
-            session, cached, rows = need
-            job = jobs[i]
-            if rows <= budget:
-                plan.append((i, ForwardRequest(session, job.tokens + job.draft, len(job.draft) + 1)))
-                budget -= rows
-            elif budget >= MIN_PREFILL_CHUNK and cached < len(job.tokens) - 1:
-                # a chunk of the committed tokens only; the last one and the draft come last
-                end = min(cached + budget, len(job.tokens) - 1)
-                plan.append((i, ForwardRequest(session, job.tokens[:end], 0)))
-                budget -= end - cached
-        return plan, solo
+            sequence = job.tokens + job.draft
+            needs.append(Need(i, self.lm.kv.reusable(session, sequence, len(job.draft) + 1), len(sequence),
+                              len(job.draft) + 1, alone=not job.sampling.greedy))
+        step = plan(needs, self.budget)
+
+        def request(slot: Slot) -> tuple[int, ForwardRequest]:
+            job = jobs[slot.index]
+            return slot.index, ForwardRequest(sessions[job.session_id], (job.tokens + job.draft)[:slot.end], slot.logits)
+
+        return [request(s) for s in step.shared], [request(s) for s in step.alone]
 
     def _verify(self, job: VerifyJob, logits: torch.Tensor, cached: int, batch_sessions: int,
                 batch_rows: int) -> Verification:
@@ -404,41 +361,27 @@ class TargetEngine:
             # the first draft token the grammar refuses (if any) is the last one verified: p' = 0 rejects it
             draft = draft[:len(logits)]
         # penalties and logit_bias, each row with its own history (the same function the draft runs)
-        logits = sm.process(logits, sampling, tokens, draft)
+        logits = process(logits, sampling, tokens, draft)
         if sampling.greedy:
-            num_accepted, next_token = sm.verify_greedy(logits.argmax(dim=-1).tolist(), draft)
-            # Row by row: a softmax of all k + 1 rows at once is a fresh block of megabytes (3.3 MB
-            # for 17 rows of the embedded target), which malloc maps, the softmax faults in page by
-            # page and free unmaps: it cost 5 ms of a 16-token verify (runner.OutputBuffer). A row
-            # is below malloc's mmap threshold, so its block comes back from the heap.
+            num_accepted, next_token = verify_greedy(logits.argmax(dim=-1).tolist(), draft)
+            # Row by row: a softmax of all k + 1 rows at once is a fresh block of megabytes, which
+            # malloc maps, the softmax faults in page by page and free unmaps (runner.OutputBuffer;
+            # docs/performance.md). A row is below malloc's mmap threshold, so its block comes back
+            # from the heap.
             p = [torch.softmax(row, dim=-1) for row in logits] if return_target_probs else None
             row = p[num_accepted] if p is not None else torch.softmax(logits[num_accepted], dim=-1)
             next_prob = float(row[next_token])
         else:
-            # row by row too (each of the transform's temporaries a row: 10,000 page faults and
-            # 19 ms of a 16-token verify with top-k and top-p when whole), as a plain step does it
-            p = [sm.probabilities(row, sampling) for row in logits]
+            # row by row too (each of the transform's temporaries a row, not a block of megabytes
+            # faulted in page by page), as a plain step does it
+            p = [probabilities(row, sampling) for row in logits]
             if k:
-                num_accepted, next_token = sm.verify_sampling(p, job.q, draft, sampling.seed, first)
+                num_accepted, next_token = verify_sampling(p, job.q, draft, sampling.seed, first)
             else:
-                num_accepted, next_token = 0, sm.sample(p[0], sampling.seed, first, sm.STREAM_TARGET)
+                num_accepted, next_token = 0, sample(p[0], sampling.seed, first, STREAM_TARGET)
             next_prob = float(p[num_accepted][next_token])
         target_probs = [float(p[i][x]) for i, x in enumerate(draft)] if (return_target_probs and p is not None) else []
-        logprobs = None
-        if job.logprobs is not None:
-            # the raw distribution of each emitted position, row by row as a plain step computes
-            # its one row: the same bits whether the token came from the draft or the target
-            logprobs = []
-            for i, token in enumerate([*draft[:num_accepted], next_token]):
-                if not job.processed_logprobs:
-                    lp = torch.log_softmax(raw[i], dim=-1)
-                else:  # the distribution the token was chosen from; what it excludes at OpenAI's floor
-                    row = p[i] if p is not None and not sampling.greedy else None
-                    lp = (torch.log(row) if row is not None else torch.log_softmax(logits[i], dim=-1))
-                    lp = lp.clamp(min=LOGPROB_FLOOR)
-                top = torch.topk(lp, job.logprobs) if job.logprobs else None
-                logprobs.append((float(lp[token]), top.indices.tolist() if top is not None else [],
-                                 top.values.tolist() if top is not None else []))
+        logprobs = self._logprobs(job, raw, logits, p, [*draft[:num_accepted], next_token])
         if return_target_probs and sampling.grammar:
             target_probs += [0.0] * (k - len(target_probs))  # after a token the grammar refuses: never verified
         return Verification(
@@ -453,6 +396,28 @@ class TargetEngine:
             queue_ns=job.queue_ns,
             logprobs=logprobs,
         )
+
+    @staticmethod
+    def _logprobs(job: VerifyJob, raw: torch.Tensor, logits: torch.Tensor, p: list[torch.Tensor] | None,
+                  emitted: list[int]) -> list[tuple[float, list[int], list[float]]] | None:
+        """Each emitted token's logprob and the top ``job.logprobs``: of the raw distribution of its
+        position, row by row as a plain step computes its one row (the same bits whether the token
+        came from the draft or the target), or with ``processed_logprobs`` of the distribution it
+        was chosen from (``p``, or the processed ``logits`` when greedy), what that excludes at
+        OpenAI's floor."""
+        if job.logprobs is None:
+            return None
+        out = []
+        for i, token in enumerate(emitted):
+            if not job.processed_logprobs:
+                lp = torch.log_softmax(raw[i], dim=-1)
+            else:
+                row = p[i] if p is not None and not job.sampling.greedy else None
+                lp = (torch.log(row) if row is not None else torch.log_softmax(logits[i], dim=-1)).clamp(min=LOGPROB_FLOOR)
+            top = torch.topk(lp, job.logprobs) if job.logprobs else None
+            out.append((float(lp[token]), top.indices.tolist() if top is not None else [],
+                        top.values.tolist() if top is not None else []))
+        return out
 
     def _constrain(self, job: VerifyJob, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [k + 1, V] masked by the job's grammar: row i under the mask after the

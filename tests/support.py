@@ -1,7 +1,8 @@
 """What the test modules share, as plain functions and classes: tiny checkpoints of real
 architectures, the greedy reference, step events built through the API's schema, the SSE reader,
-in-process fakes (a target pool over an engine, the orchestrator's HTTP surface for the dashboard)
-and the real services started as processes on free ports.
+in-process fakes (a target pool over an engine, the orchestrator's HTTP surface for the dashboard),
+the real services started as processes on free ports, and ``wait_until``, the one way a test waits
+for a state another thread or process reaches.
 
 Fixtures and pytest hooks live in tests/conftest.py, which covers every folder under tests/.
 """
@@ -15,9 +16,10 @@ import os
 import string
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import httpx
@@ -30,6 +32,27 @@ if TYPE_CHECKING:
     from target_service.verify import TargetEngine
 
 ROOT = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
+
+
+# ---- waiting for a state ------------------------------------------------------------------------
+
+def wait_until(predicate: Callable[[], T], timeout_s: float, what: str | Callable[[], str],
+               interval_s: float = 0.01) -> T:
+    """Call ``predicate`` until it returns something true, and return that: a state another thread
+    or process reaches (a call queued, a metric moved, a service back), never a guess at how long
+    it takes. Fails after ``timeout_s`` with ``what``: the state waited for, or a function that
+    describes the last one seen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what() if callable(what) else what}")
+        time.sleep(interval_s)
+
 
 # ---- tiny checkpoints ---------------------------------------------------------------------------
 
@@ -204,7 +227,7 @@ class EngineTarget:
                         v.compute_ns / 1e6, 1.0, logprobs=v.logprobs)
 
     async def release(self, session_id: str) -> bool:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a Release's round trip, on purpose: its task outlives the generation
         self.released.append(session_id)
         return self.engine.release(session_id)
 

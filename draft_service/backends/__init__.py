@@ -50,9 +50,9 @@ def native_unavailable(settings: DraftSettings) -> str | None:
     """None when the native backend serves this draft well, else why not (``auto`` then takes
     llamacpp): the draft's GGUF must be a Llama or GPT-2 file quantised to types specdec.native
     computes, and this CPU must run its vector kernels for them (AVX2, or AVX-512 VNNI for Q4_1 and
-    Q8_0; the portable kernel is correct but far slower than llama.cpp). On a Zen 3 with AVX2 only
-    the embedded Q4_1 draft cost 7.2 ms a token native against 9.3 through llama.cpp
-    (docs/performance.md, "A draft on specdec's kernels")."""
+    Q8_0; the portable kernel is correct but far slower than llama.cpp). With those kernels a
+    draft token costs less native than through llama.cpp (docs/performance.md, "A draft on
+    specdec's kernels")."""
     from specdec.model.gguf_convert import draft_gguf
     from specdec.model.gguf_file import GGUFFile
     from specdec.model.gguf_model import FLOAT_TYPES, file_type, unsupported

@@ -3,9 +3,9 @@
 The same file the llamacpp backend runs (the embedded Q4_1 draft, or any model converted to GGUF),
 loaded by specdec.model.gguf_model: its linears compute on the file's quantised blocks with AVX2 (AVX-512
 VNNI for Q4_1 and Q8_0 where the CPU has it; specdec.native), everything else on the runner the
-target uses, sessions on the engine's KV buffers. On the machines measured a draft token costs
-22-40 % less than through llama.cpp (docs/performance.md, "A draft on specdec's kernels"). Batching, prefix reuse, crop and
-eviction are the transformers backend's, since the engine is the same.
+target uses, sessions on the engine's KV buffers; a draft token costs less than through llama.cpp
+on the machines measured (docs/performance.md, "A draft on specdec's kernels"). Planning, prefix
+reuse, crop and eviction are the transformers backend's, since the engine is the same.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from draft_service.backends.hf import TransformersProposer
-from draft_service.proposer import Proposer
+from draft_service.proposer import DEFAULT_BUDGET, Proposer, budget_of
 from specdec.engine.executor import Executor
+from specdec.engine.planner import Budget
 from specdec.engine.sessions import SessionStore
 from specdec.model.gguf_convert import draft_gguf
 from specdec.model.gguf_model import UnsupportedModel, file_type, load_gguf
@@ -30,9 +31,11 @@ if TYPE_CHECKING:
 class NativeProposer(TransformersProposer):
     backend = "native"
 
-    def __init__(self, path: Path, store: SessionStore, max_draft_tokens: int, overlap_threads: int = 0) -> None:
+    def __init__(self, path: Path, store: SessionStore, max_draft_tokens: int, overlap_threads: int = 0,
+                 budget: Budget = DEFAULT_BUDGET) -> None:
         Proposer.__init__(self, store, max_draft_tokens)
         self.overlap_threads = overlap_threads
+        self.budget = budget
         if kernels() is None:
             raise UnsupportedModel("the native draft backend needs specdec.native, which is unavailable here (the log "
                                    "says why); use SPECDEC_DRAFT_BACKEND=llamacpp")
@@ -57,4 +60,5 @@ class NativeProposer(TransformersProposer):
     @classmethod
     def from_settings(cls, settings: DraftSettings) -> NativeProposer:
         path = draft_gguf(settings.model, settings.target_model, settings.quant, settings.cache_dir)
-        return cls(path, SessionStore.from_settings(settings), settings.max_draft_tokens, settings.overlap_threads)
+        return cls(path, SessionStore.from_settings(settings), settings.max_draft_tokens, settings.overlap_threads,
+                   budget_of(settings))

@@ -73,6 +73,23 @@ BATCH_GATHER = Histogram(
 QUEUE_DEPTH = Gauge("specdec_queue_depth", "Calls waiting for or in compute.", ["service"])
 
 
+class Clock:
+    """Time as the compute thread reads it, and its one blocking wait: the process's clocks and a
+    queue's timed get. Tests pass their own, whose time moves only when they say."""
+
+    def ns(self) -> int:
+        """A monotonic instant in nanoseconds (``perf_counter_ns``)."""
+        return time.perf_counter_ns()
+
+    def cpu_ns(self) -> int:
+        """CPU time of the whole process (every thread)."""
+        return time.process_time_ns()
+
+    def get(self, q: queue.SimpleQueue, timeout: float) -> Any:
+        """The next item of ``q``, waiting at most ``timeout`` seconds (queue.Empty after that)."""
+        return q.get(timeout=timeout)
+
+
 class _Pending:
     """Marker of a job that is not finished after a step (see :class:`Batcher`)."""
 
@@ -154,8 +171,8 @@ class _Item:
 class ComputeThread:
     """Runs model compute on the thread that created it (the process's main thread).
 
-    torch forward passes issued from gRPC worker threads measured 2-2.7x slower than the same
-    calls on the thread that loaded the model (k = 0 verify: 91 ms against 34 ms, 2 threads), so
+    torch forward passes issued from gRPC worker threads ran several times slower than the same
+    calls on the thread that loaded the model (docs/performance.md, "Threads and processes"), so
     servicers hand compute to :meth:`run` / :meth:`submit`, and the main thread executes it in
     :meth:`serve`. Calls made on the owner thread itself (tests, tools) run inline.
     """
@@ -169,7 +186,9 @@ class ComputeThread:
         by the calling thread."""
         return cls(settings.max_queued_calls, service, settings.batch_gather_ms)
 
-    def __init__(self, max_queued: int = 32, service: str = "", gather_ms: float = 30.0) -> None:
+    def __init__(self, max_queued: int = 32, service: str = "", gather_ms: float = 30.0,
+                 clock: Clock | None = None) -> None:
+        self.clock = clock or Clock()
         self._owner = threading.get_ident()
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._slots = threading.Semaphore(max_queued)
@@ -184,9 +203,9 @@ class ComputeThread:
         self._answered: dict[str, float] = {}  # sessions answered by the last step -> when
         self._returns: dict[str, tuple[float, float]] = {}  # session -> (running return time s, last answer)
         self._last_step_s = 0.0
-        # time.monotonic() of the compute loop's last turn: it turns at least every 0.1 s while
+        # the clock's seconds at the compute loop's last turn: it turns at least every 0.1 s while
         # idle and after every step, so a stale one means a step that hangs (see specdec.server)
-        self.heartbeat = time.monotonic()
+        self.heartbeat = self._now()
         QUEUE_DEPTH.labels(service).set_function(lambda: self._in_flight)
 
     # ---- called from RPC threads ------------------------------------------------------------------
@@ -199,7 +218,7 @@ class ComputeThread:
         """
         if threading.get_ident() == self._owner:
             return fn(*args)
-        return self._wait(_Item(futures.Future(), time.perf_counter_ns(), fn=fn, args=args, context=context))
+        return self._wait(_Item(futures.Future(), self.clock.ns(), fn=fn, args=args, context=context))
 
     def submit(self, batcher: Batcher, job: Any, context: Any = None) -> Any:
         """Run ``job`` in ``batcher``'s batched steps; return its result (raising its error).
@@ -208,7 +227,7 @@ class ComputeThread:
         """
         if threading.get_ident() == self._owner:
             return run_alone(batcher, job)
-        return self._wait(_Item(futures.Future(), time.perf_counter_ns(), batcher=batcher, job=job, context=context))
+        return self._wait(_Item(futures.Future(), self.clock.ns(), batcher=batcher, job=job, context=context))
 
     def _wait(self, item: _Item) -> Any:
         if self._closed:
@@ -237,11 +256,11 @@ class ComputeThread:
     def serve(self, stop: threading.Event) -> None:
         """Execute submitted work until ``stop`` is set (call on the owner thread)."""
         while not stop.is_set():
-            self.heartbeat = time.monotonic()
+            self.heartbeat = self._now()
             waiting = self._waiting
             try:
                 # Block only when nothing is in line: a pending job must not wait for new arrivals.
-                first = self._queue.get(timeout=0.1) if not waiting else self._queue.get_nowait()
+                first = self.clock.get(self._queue, 0.1) if not waiting else self._queue.get_nowait()
             except queue.Empty:
                 first = None
             if first is not None:
@@ -282,18 +301,18 @@ class ComputeThread:
         expected = self._expected(window)
         if not expected:
             return
-        t0 = time.perf_counter()
+        t0 = self._now()
         deadline = t0 + window
         while expected.intersection(self._answered):
-            left = deadline - time.perf_counter()
+            left = deadline - self._now()
             if left <= 0:
                 break
             try:
-                self._admit(self._queue.get(timeout=left))
+                self._admit(self.clock.get(self._queue, left))
             except queue.Empty:
                 break
             self._drain()
-        waited = time.perf_counter() - t0
+        waited = self._now() - t0
         self.stats.gather_ns += int(waited * 1e9)
         self.stats.gather_waits += 1
         BATCH_GATHER.labels(self._service).observe(waited)
@@ -332,7 +351,7 @@ class ComputeThread:
             else:
                 live.append(item)
         self._answered = {}
-        step_t0 = time.perf_counter()
+        step_t0 = self._now()
         by_batcher: dict[int, list[_Item]] = {}
         for item in live:
             by_batcher.setdefault(id(item.batcher), []).append(item)
@@ -342,17 +361,17 @@ class ComputeThread:
                 if not item.started:
                     item.started = True
                     self._observe_wait(item)
-            t0, cpu0 = time.perf_counter_ns(), time.process_time_ns()
+            t0, cpu0 = self.clock.ns(), self.clock.cpu_ns()
             try:
                 result = items[0].batcher.step([item.job for item in items])
                 outcomes = result.outcomes
             except BaseException as exc:  # a bug in the batcher: fail its jobs, keep serving
                 logger.exception("batched step failed")
                 result, outcomes = StepResult([], 0, 0), [exc] * len(items)
-            busy = time.perf_counter_ns() - t0
+            busy = self.clock.ns() - t0
             # CPU of the whole process (every thread) during the step: what the step cost the
             # machine, which on shared cores is what other work can no longer use.
-            cpu = time.process_time_ns() - cpu0
+            cpu = self.clock.cpu_ns() - cpu0
             if result.sessions:
                 self.stats.forwards += 1
                 self.stats.sessions += result.sessions
@@ -376,15 +395,22 @@ class ComputeThread:
                     item.done.set_result(outcome)
                 if outcome is not PENDING:
                     self.stats.calls += 1
-        now = time.perf_counter()
+        now = self._now()
         self._last_step_s = now - step_t0
         for item in live:
             if id(item) not in still:
                 self._answer(item, now)
         return [item for item in live if id(item) in still]
 
+    def _now(self) -> float:
+        return self.clock.ns() / 1e9
+
+    def since_turn(self) -> float:
+        """Seconds since the compute loop last turned (a hang watchdog reads it; specdec.server)."""
+        return self._now() - self.heartbeat
+
     def _observe_wait(self, item: _Item) -> None:
-        wait = time.perf_counter_ns() - item.queued_at
+        wait = self.clock.ns() - item.queued_at
         self.stats.queue_wait_ns += wait
         if item.job is not None and hasattr(item.job, "queue_ns"):
             item.job.queue_ns = wait

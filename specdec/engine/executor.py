@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from specdec.engine.kv import KVManager
 from specdec.engine.requests import max_context_of
-from specdec.engine.sessions import Session, SessionStore, common_prefix_len
+from specdec.engine.sessions import Session, SessionStore
 from specdec.model.linears import FastLinears
 from specdec.model.ragged import (
     ATTENTION_PATHS,
@@ -56,13 +57,17 @@ class ForwardResult:
 
 
 class Executor:
-    """A transformers causal LM whose sessions keep their own KV buffers (:class:`SessionKV`).
+    """Runs a step's forward requests on one model: ONE packed forward pass over the new tokens of
+    many sessions (a ragged batch; see specdec.model.ragged), each session's cache on the KV
+    manager (:attr:`kv`): the longest common prefix of its cache with the requested sequence is
+    reused, the rest cropped (a length change, no copy), and only the new suffix computed, at its
+    own positions. Callers hold :attr:`lock` around :meth:`forward_batch` / :meth:`extend`: one
+    forward at a time per model.
 
-    :meth:`forward_batch` runs ONE forward pass over the new tokens of many sessions (a ragged,
-    packed batch; see specdec.model.ragged): each session reuses the longest common prefix of its cache
-    with the requested sequence, crops the rest (a length change, no copy) and computes only the
-    new suffix, at its own positions. :meth:`extend` is the single-session form. Callers hold
-    :attr:`lock` around either: one forward at a time per model.
+    The forward path is chosen once, at load: specdec's runner (specdec.model.runner, its linears
+    on specdec.native's kernels) where it covers the architecture on the CPU, else transformers'
+    own forward with ragged attention and the fast linears. The executor takes the model over: its
+    linear layers are packed and their row-major weights freed (specdec.model.linears).
 
     The model may sit on any device: the KV buffers and every tensor a pass creates live there,
     and the logits a pass keeps come back to :data:`HOST` in one copy (none on the CPU).
@@ -74,7 +79,6 @@ class Executor:
                  attention: str | None = None, native: bool = True, quant: dict[int, tuple[str, Any]] | None = None
                  ) -> None:
         self.model = model
-        self.store = store
         self.lock = threading.Lock()
         self.vocab_size = int(model.config.vocab_size)
         param = next(model.parameters())
@@ -89,16 +93,19 @@ class Executor:
         self.runner = runner_for(model, self.fast_linears, native) if use_runner and self.device.type == "cpu" else None
         self.geometry = kv_geometry(model)
         layers, kv_heads, head_dim = self.geometry
-        self.bytes_per_token = 2 * layers * kv_heads * head_dim * param.element_size()
-        self.model_max_context = max_context_of(model.config)
+        self.kv = KVManager(store, self._new_kv, 2 * layers * kv_heads * head_dim * param.element_size(),
+                            max_context_of(model.config))
+        self.store = store
         self._warm_up()
 
     @property
     def max_context(self) -> int:
-        """Longest sequence a session may hold: the model's context, or fewer tokens when the KV
-        budget holds fewer, so clients learn up front that a longer sequence is their input's
-        problem (INVALID_ARGUMENT, HTTP 400), not a server fault."""
-        return max(2, min(self.model_max_context, self.store.max_bytes // self.bytes_per_token))
+        """Longest sequence a session may hold (see KVManager.max_context)."""
+        return self.kv.max_context
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv.bytes_per_token
 
     def _warm_up(self) -> None:
         """One forward through the batched path (the first call pays one-off set-up costs)."""
@@ -111,10 +118,7 @@ class Executor:
 
     def session(self, session_id: str, issued: int | None = None, keep: Collection[str] = ()) -> Session:
         """The session with a KV cache (see SessionStore.get_or_create for ``issued`` and ``keep``)."""
-        session = self.store.get_or_create(session_id, lambda: None, issued, keep)
-        if session.cache is None:
-            session.cache = self._new_kv()
-        return session
+        return self.kv.session(session_id, issued, keep)
 
     def extend(self, session: Session, tokens: list[int], extra: Sequence[int] = ()) -> tuple[torch.Tensor, int]:
         """Forward the uncached part of ``tokens + extra`` for one session.
@@ -128,6 +132,19 @@ class Executor:
             raise result
         return result.logits, result.cached
 
+    def run(self, shared: list[ForwardRequest], alone: list[ForwardRequest] = (), threads: int = 0
+            ) -> list[ForwardResult | BaseException]:
+        """A step's plan: ``shared`` as one batched pass, then each of ``alone`` in a pass of its own
+        (a batched pass may round a row's logits differently from a pass alone: harmless for argmax,
+        but it would move a seeded sampling request's draws with the load). ``threads``: torch
+        threads of these passes (0: unchanged; fewer when a draft computes on this host meanwhile).
+        The results come in the order of ``shared + alone``."""
+        with torch_threads(threads):
+            results = self.forward_batch(shared) if shared else []
+            for request in alone:
+                results += self.forward_batch([request])
+        return results
+
     def forward_batch(self, requests: list[ForwardRequest]) -> list[ForwardResult | BaseException]:
         """One forward pass over the new tokens of every request (distinct sessions).
 
@@ -140,41 +157,30 @@ class Executor:
         where: list[int] = []
         pinned = {r.session.session_id for r in requests}
         for i, r in enumerate(requests):
-            session, tokens = r.session, r.tokens
-            if session.cache is None:
-                session.cache = self._new_kv()
-            kv: SessionKV = session.cache
-            # At least the tokens whose logits are wanted are recomputed.
-            cached = min(common_prefix_len(session.tokens, tokens), kv.length, len(tokens) - r.logits)
-            if cached == len(tokens):
+            if r.session.cache is None:
+                r.session.cache = self._new_kv()
+            cached = self.kv.reusable(r.session, r.tokens, r.logits)  # the rows wanting logits are computed
+            if cached == len(r.tokens):
                 results[i] = ForwardResult(None, cached, 0)
                 continue
             try:
-                capacity = kv.capacity_for(len(tokens), self.max_context)
-                # Room first: a refusal here leaves the session exactly as it was.
-                self.store.reserve(session, capacity * self.bytes_per_token - session.nbytes, pinned)
+                self.kv.open(r.session, r.tokens, cached, pinned)
             except BaseException as exc:  # noqa: BLE001 - delivered to that request's caller
                 results[i] = exc
                 continue
-            kv.crop(cached)
-            kv.ensure(len(tokens), self.max_context)
-            self.store.update(session, tokens[:cached], kv.capacity * self.bytes_per_token)
-            plan.append((session, cached, tokens, r.logits))
+            plan.append((r.session, cached, r.tokens, r.logits))
             where.append(i)
         if plan:
             try:
                 logits = self._forward(plan)
             except BaseException as exc:
                 for session, *_ in plan:
-                    # The buffers may be half-written: they no longer match session.tokens.
-                    session.cache.clear()
-                    self.store.reset(session)
+                    self.kv.fail(session)
                 for i in where:
                     results[i] = exc
                 return results  # type: ignore[return-value]
             for i, (session, cached, tokens, _), out in zip(where, plan, logits, strict=True):
-                session.cache.length = len(tokens)
-                self.store.update(session, tokens, session.cache.capacity * self.bytes_per_token)
+                self.kv.commit(session, tokens)
                 results[i] = ForwardResult(out, cached, len(tokens) - cached)
         return results  # type: ignore[return-value]
 
@@ -191,35 +197,44 @@ class Executor:
             spans.append((len(keep), want))
             keep.extend(range(offset - want, offset))
         if self.runner is not None:
-            with torch.inference_mode():
-                logits = self.runner.forward(RunnerBatch(
-                    torch.tensor(ids, dtype=torch.long, device=self.device),
-                    torch.tensor(positions, dtype=torch.long, device=self.device), segments,
-                    torch.tensor(keep, dtype=torch.long, device=self.device)))
-            return [logits[first : first + want] if want else None for first, want in spans]
+            logits = self._run_runner(ids, positions, segments, keep)
+        else:
+            logits = self._run_transformers(ids, positions, segments, keep)
+        return [logits[first : first + want] if want else None for first, want in spans]
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _run_runner(self, ids: list[int], positions: list[int], segments: list[Segment], keep: list[int]
+                    ) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.runner.forward(RunnerBatch(self._tensor(ids), self._tensor(positions), segments,
+                                                   self._tensor(keep)))
+
+    def _run_transformers(self, ids: list[int], positions: list[int], segments: list[Segment], keep: list[int]
+                          ) -> torch.Tensor | None:
         batch = RaggedBatch(segments, self.attention)
         with torch.inference_mode(), self.fast_linears.active(), ragged_attention_on(self.model):
             out = self.model(
-                input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
-                position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+                input_ids=self._tensor(ids)[None],
+                position_ids=self._tensor(positions)[None],
                 past_key_values=batch,
                 use_cache=True,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                logits_to_keep=self._tensor(keep),
                 specdec_batch=batch,
             )
         # One copy to the host for every request of the pass (a no-op on the CPU); the dtype
         # conversion after it, so a bf16 model moves half the bytes.
-        logits = out.logits[0].to(HOST).float() if keep else None
-        return [logits[first : first + want] if want else None for first, want in spans]
+        return out.logits[0].to(HOST).float() if keep else None
 
 
 @contextlib.contextmanager
 def torch_threads(n: int):
     """Run the block on ``n`` torch threads when that is fewer than now (0: unchanged).
 
-    Measured through the services on 2 shared cores (embedded pair): a 2-thread Verify of 5 rows
-    with a draft computing next to it took 105 ms against 48 ms alone, as its OpenMP threads wait
-    for each other behind the draft; on 1 thread it took 88 ms. Switching costs microseconds.
+    A pass whose OpenMP threads share the cores with a computing draft waits for them at every
+    op's barrier, so fewer threads finish it sooner (docs/performance.md, "Overlapped
+    speculation"). Switching costs microseconds.
     """
     before = torch.get_num_threads()
     if not 0 < n < before:

@@ -53,6 +53,3 @@ def max_context_of(config: Any) -> int:
             return value
     return 2048
 
-
-# Without packed weights, passes above this many rows (long prefills) use the stock kernel. Packed
-# weights serve every pass: measured faster than stock at 64-512 rows too (all linears of the

@@ -87,7 +87,7 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self._on_evict = on_evict
+        self.on_evict = on_evict  # the KV manager sets it (specdec.engine.kv)
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.RLock()
         # A running total, so readers on other threads (metrics, Info) never iterate the map
@@ -216,5 +216,5 @@ class SessionStore:
         self._nbytes -= session.nbytes
         session.tokens = []
         session.nbytes = 0
-        if self._on_evict is not None:
-            self._on_evict(session)
+        if self.on_evict is not None:
+            self.on_evict(session)

@@ -152,17 +152,10 @@ def _check_types(gguf: GGUFFile, linear_names: dict[str, Any], tied: bool) -> No
                 "of those, e.g. with llama-quantize")
 
 
-def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool, embedding_rows: bool = False
-                ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray]], QuantRows | None]:
-    """The model's fp32 state dict from the file, the raw blocks of the quantised linears (types
-    of QUANT_FORMATS) by parameter name, and with ``embedding_rows`` the token embeddings as
-    :class:`QuantRows` when they are quantised. Those linears (and such embeddings) get an
-    unwritten fp32 tensor of their shape unless ``dequantize_blocks`` (the engine packs their
-    blocks and frees it: never touched, it costs no memory)."""
-    from gguf.quants import dequantize
-
+def _parameter_names(model: Any, arch: str, linear_names: dict[str, Any]) -> dict[str, str]:
+    """The model's parameter name of each GGUF tensor name a file of ``arch`` may hold
+    (``linear_names``: :func:`_modules`' linears by tensor name)."""
     config = model.config
-    linear_names = {name: module for name, module in _modules(model, arch)}
     parameter_of = {id(m): n for n, m in model.named_modules()}
     names: dict[str, str] = {"token_embd.weight": "model.embed_tokens.weight" if arch == "llama" else "transformer.wte.weight"}
     if arch == "llama":
@@ -182,6 +175,21 @@ def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool, 
                        ("ffn_down", "mlp.c_proj"))}
     for name, module in linear_names.items():
         names[name] = parameter_of[id(module)] + ".weight"
+    return names
+
+
+def _state_dict(gguf: GGUFFile, model: Any, arch: str, dequantize_blocks: bool, embedding_rows: bool = False
+                ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray]], QuantRows | None]:
+    """The model's fp32 state dict from the file, the raw blocks of the quantised linears (types
+    of QUANT_FORMATS) by parameter name, and with ``embedding_rows`` the token embeddings as
+    :class:`QuantRows` when they are quantised. Those linears (and such embeddings) get an
+    unwritten fp32 tensor of their shape unless ``dequantize_blocks`` (the engine packs their
+    blocks and frees it: never touched, it costs no memory)."""
+    from gguf.quants import dequantize
+
+    config = model.config
+    linear_names = {name: module for name, module in _modules(model, arch)}
+    names = _parameter_names(model, arch, linear_names)
     state: dict[str, torch.Tensor] = {}
     blocks: dict[str, tuple[str, np.ndarray]] = {}
     rows: QuantRows | None = None

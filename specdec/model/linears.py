@@ -19,6 +19,8 @@ from specdec.native import kernels
 
 logger = logging.getLogger(__name__)
 
+# Without packed weights, passes above this many rows (long prefills) use the stock kernel; packed
+# weights serve every pass (faster than stock at any row count: docs/performance.md).
 FAST_LINEAR_MAX_ROWS = 64
 # Without prepacked weights (see FastLinears): from this many rows on, oneDNN's inner product on
 # the row-major weight beats MKL's ``(W @ x.T).T``; fewer rows read the weights faster through MKL.
@@ -98,95 +100,107 @@ class FastLinears:
     (``kernel = "packed"``): all of the embedded target's linears then cost about the same for 1 to
     9 rows (~35-40 ms on 2 cores, against 57 ms for one row and 63-87 ms for nine through the stock
     kernels), and a row's sums do not depend on the other rows of the pass, so a verify computes
-    bit for bit what plain steps would. The row-major weight is then freed (unless
-    ``keep_row_major``, for A/B measurements) and the packed one serves every call of that layer,
-    inside :meth:`active` or not; a weight other modules share (an lm_head tied to the input
-    embeddings) stays, so that one costs its size again.
+    bit for bit what plain steps would. The row-major weight is then freed and the packed one serves
+    every call of that layer, inside :meth:`active` or not; a weight other modules share (an lm_head
+    tied to the input embeddings) stays, so that one costs its size again.
 
-    Without the prepack op (``kernel = "onednn"``): oneDNN on the row-major weight from
-    ONEDNN_MIN_ROWS rows, MKL's ``(W @ x.T).T`` below (a single row duplicated to two), which
-    streams the row-major weight faster than its one-row gemv. ``"mkl"``: that at any row count
-    (for A/B measurements, ``evaluation.batchcost --kernels``). Only the summation blocking differs
-    from the stock kernel (~1e-6 relative). These (and packed layers that kept their row-major
-    weight) are active only inside :meth:`active` (per thread), so other users of the same model
-    object (``generate``, tests) keep the stock kernels.
+    Without the prepack op, or with ``pack`` off (``kernel = "onednn"``): oneDNN on the row-major
+    weight from ONEDNN_MIN_ROWS rows, MKL's ``(W @ x.T).T`` below (a single row duplicated to two),
+    which streams the row-major weight faster than its one-row gemv. ``"mkl"``: that at any row
+    count (``evaluation.batchcost --kernels`` times each). Only the summation blocking differs from
+    the stock kernel (~1e-6 relative). These (and packed layers that kept their row-major weight)
+    are active only inside :meth:`active` (per thread), so other users of the same model object
+    (``generate``, tests) keep the stock kernels.
     """
 
     @classmethod
-    def of(cls, model: Any, pack: bool = True, keep_row_major: bool = False, native: bool = True,
+    def of(cls, model: Any, pack: bool = True, native: bool = True,
            quant: dict[int, tuple[str, Any]] | None = None) -> FastLinears:
         """The model's one instance (engines may share a model object; wrap its layers once; the
-        first caller's options hold). ``pack``: pack the weights where this build can;
-        ``keep_row_major``: keep the row-major weights too (for comparing kernels); ``native``:
+        first caller's options hold). ``pack``: pack the weights where this build can; ``native``:
         pack for specdec.native's kernel where it builds, else for oneDNN; ``quant``: layers
         (by ``id``) to run on GGUF-quantised weights instead, as (block type, raw blocks), see
         specdec.model.gguf_model."""
         fast = getattr(model, "_specdec_fast_linears", None)
         if not isinstance(fast, cls):
-            fast = cls(model, pack, keep_row_major, native, quant)
+            fast = cls(model, pack, native, quant)
             model._specdec_fast_linears = fast
         return fast
 
-    def __init__(self, model: Any, pack: bool = True, keep_row_major: bool = False, native: bool = True,
+    def __init__(self, model: Any, pack: bool = True, native: bool = True,
                  quant: dict[int, tuple[str, Any]] | None = None) -> None:
         self._local = threading.local()
         self.count = 0
         self._onednn = _onednn_linear()
-        self.native = kernels() if pack and native else None
-        if (self.native is not None and self.native.isa != "avx512" and _onednn_pack() is not None
-                and os.environ.get(NATIVE_LINEARS_ENV, "auto") != "on"):
-            # without AVX-512 the native kernel streams a lone row as fast, but computes several
-            # rows at a third of oneDNN's speed (docs/performance.md): oneDNN's packed linears then
-            logger.info("linears on oneDNN's packed kernel: specdec.native's runs %s here, not AVX-512",
-                        self.native.isa)
-            self.native = None
         quant = quant or {}
-        if quant and self.native is None:
-            self.native = kernels() if native else None
-            if self.native is None:
-                raise RuntimeError("quantised linears need specdec.native, which is unavailable here (see the log)")
-        if self.native is not None:
-            pack = lambda w, _hint: self.native.pack_linear(w)  # noqa: E731
-            self.kernel = "native"
-        else:
-            pack = _onednn_pack() if pack else None
-            self.kernel = "packed" if pack is not None else "onednn" if self._onednn is not None else "mkl"
+        packer = self._choose_kernel(pack, native, bool(quant))
         # module id -> its packed weight: its own, or that of its fused group (Packed.start/end
         # name its output columns there)
         self._packed: dict[int, Packed] = {}
         self._released: set[int] = set()  # layers whose row-major weight was freed: packed only
+        self._conv1d: set[int] = set()  # GPT-2's Conv1D layers (weight [in, out]): packed kernel only
+        self.quantised = 0  # layers on GGUF-quantised weights
+        linears = [(module, weight) for module in model.modules() if (weight := _linear_weight(module)) is not None]
+        if packer is not None:
+            with torch.inference_mode():
+                for group in self._groups(model, dict((id(m), w) for m, w in linears), quant):
+                    self._pack_group(group, packer, quant)
+        self._wrap(model, linears)
+
+    def _choose_kernel(self, pack: bool, native: bool, quantised: bool) -> Any:
+        """Set :attr:`native` and :attr:`kernel`; the function packing a weight (None: no packing)."""
+        self.native = kernels() if pack and native else None
+        if (self.native is not None and self.native.isa != "avx512" and _onednn_pack() is not None
+                and os.environ.get(NATIVE_LINEARS_ENV, "auto") != "on"):
+            # without AVX-512 the native kernel streams a lone row as fast, but computes several
+            # rows slower than oneDNN (docs/performance.md): oneDNN's packed linears then
+            logger.info("linears on oneDNN's packed kernel: specdec.native's runs %s here, not AVX-512",
+                        self.native.isa)
+            self.native = None
+        if quantised and self.native is None:
+            self.native = kernels() if native else None
+            if self.native is None:
+                raise RuntimeError("quantised linears need specdec.native, which is unavailable here (see the log)")
+        if self.native is not None:
+            self.kernel = "native"
+            return lambda w, _hint: self.native.pack_linear(w)
+        packer = _onednn_pack() if pack else None
+        self.kernel = "packed" if packer is not None else "onednn" if self._onednn is not None else "mkl"
+        return packer
+
+    def _pack_group(self, group: list[tuple[Any, torch.Tensor]], packer: Any, quant: dict[int, tuple[str, Any]]
+                    ) -> None:
+        """Pack one group of layers (see :meth:`_groups`) into one weight."""
+        biases = [m.bias for m, _ in group]
+        bias = None if biases[0] is None else torch.cat(biases).detach() if len(group) > 1 else biases[0]
+        if id(group[0][0]) in quant:  # all of a group's members are quantised, or none (_groups)
+            fmts = {quant[id(m)][0] for m, _ in group}
+            if len(fmts) == 1:
+                raw = np.concatenate([quant[id(m)][1] for m, _ in group])
+                packed = self.native.pack_quant(raw, fmts.pop(), raw.shape[0], group[0][1].shape[1])
+            else:  # members stored in different types: one weight of several parts
+                packed = self.native.pack_quant_parts(
+                    [(quant[id(m)][1], quant[id(m)][0], w.shape[0]) for m, w in group], group[0][1].shape[1])
+            self.quantised += len(group)
+        else:
+            weight = torch.cat([w for _, w in group]) if len(group) > 1 else group[0][1]
+            packed = packer(weight.contiguous(), PACK_ROWS_HINT)
+        start, group_out = 0, sum(w.shape[0] for _, w in group)
+        for module, w in group:
+            self._packed[id(module)] = Packed(packed, bias, start, start + w.shape[0], group_out)
+            start += w.shape[0]
+
+    def _wrap(self, model: Any, linears: list[tuple[Any, torch.Tensor]]) -> None:
+        """Route every linear layer's forward here; free the row-major weight of each packed one
+        no other module shares (a tied lm_head keeps it)."""
         holders: dict[int, int] = {}  # weight storage -> modules holding it (tied embeddings, shared layers)
         for module in model.modules():
             for param in module.parameters(recurse=False):
                 holders[param.data_ptr()] = holders.get(param.data_ptr(), 0) + 1
-        self._conv1d: set[int] = set()  # GPT-2's Conv1D layers (weight [in, out]): packed kernel only
-        self.quantised = 0  # layers on GGUF-quantised weights
-        linears = [(module, weight) for module in model.modules() if (weight := _linear_weight(module)) is not None]
-        if pack is not None:
-            with torch.inference_mode():
-                for group in self._groups(model, dict((id(m), w) for m, w in linears), quant):
-                    biases = [m.bias for m, _ in group]
-                    bias = None if biases[0] is None else torch.cat(biases).detach() if len(group) > 1 else biases[0]
-                    if id(group[0][0]) in quant:  # all of a group's members are quantised, or none (_groups)
-                        fmts = {quant[id(m)][0] for m, _ in group}
-                        if len(fmts) == 1:
-                            raw = np.concatenate([quant[id(m)][1] for m, _ in group])
-                            packed = self.native.pack_quant(raw, fmts.pop(), raw.shape[0], group[0][1].shape[1])
-                        else:  # members stored in different types: one weight of several parts
-                            packed = self.native.pack_quant_parts(
-                                [(quant[id(m)][1], quant[id(m)][0], w.shape[0]) for m, w in group], group[0][1].shape[1])
-                        self.quantised += len(group)
-                    else:
-                        weight = torch.cat([w for _, w in group]) if len(group) > 1 else group[0][1]
-                        packed = pack(weight.contiguous(), PACK_ROWS_HINT)
-                    start, group_out = 0, sum(w.shape[0] for _, w in group)
-                    for module, w in group:
-                        self._packed[id(module)] = Packed(packed, bias, start, start + w.shape[0], group_out)
-                        start += w.shape[0]
         for module, _ in linears:
             if type(module) is not torch.nn.Linear:
                 self._conv1d.add(id(module))
-            if id(module) in self._packed and not keep_row_major and holders[module.weight.data_ptr()] == 1:
+            if id(module) in self._packed and holders[module.weight.data_ptr()] == 1:
                 # An empty placeholder keeps the attribute's dtype and device for whoever asks.
                 module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
                 self._released.add(id(module))
@@ -229,11 +243,6 @@ class FastLinears:
         if p.fused:  # this layer's columns of its group's output (transformers' own forward only)
             y = y[:, p.start:p.end]
         return y[:rows].reshape(*shape[:-1], y.shape[-1])
-
-    @property
-    def packed_any(self) -> bool:
-        """Whether any layer runs on a packed weight (the runner's precondition)."""
-        return bool(self._packed)
 
     def packed(self, module: Any) -> Packed:
         """The packed weight serving one of the model's linear layers (KeyError when none)."""
@@ -301,9 +310,9 @@ def _linear_weight(module: Any) -> torch.Tensor | None:
     return weight if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
 
 
-def fast_linears(model: Any, pack: bool = True, keep_row_major: bool = False, native: bool = True) -> FastLinears:
+def fast_linears(model: Any, pack: bool = True, native: bool = True) -> FastLinears:
     """The model's fast linear layers (see :class:`FastLinears`); the first call wraps them."""
-    return FastLinears.of(model, pack, keep_row_major, native)
+    return FastLinears.of(model, pack, native)
 
 
 class _ActiveScope:

@@ -99,8 +99,14 @@ class SessionKV:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def commit(self, length: int) -> None:
+        self.length = length
+
     def clear(self) -> None:
         self.kv, self.length = None, 0
+
+    def free(self) -> None:
+        self.clear()
 
 
 @dataclass

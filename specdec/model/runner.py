@@ -226,16 +226,6 @@ class _Runner:
         return self.native.forward_decoder(x, ln1, self.stack, self.heads, kv_heads, self.head_dim, gated, up_act, cos,
                                            sin, table, self.scale, self.eps, self.quant_k)
 
-    def use_kernels(self, native: Kernels) -> None:
-        """Run on another build of specdec.native (one whose linears read the same packed layout):
-        how ``evaluation.batchcost --native-against`` times a kernel change against the current one
-        in one process. Only for a runner already on specdec.native."""
-        if self.native is None or self.lm_head.native is None:
-            raise ValueError("this runner is not on specdec.native")
-        self.native = native
-        for linear in self._linears():
-            linear.native = native
-
     def _masks(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
         """Per segment, the additive causal mask of its grouped query rows over its keys
         ([group * rows, start + rows], 0 or -inf, on the keys' device), built once per forward for

@@ -1,4 +1,4 @@
-"""specdec's native kernels (kernels.c): a decoder layer's work between its linears, in C.
+"""specdec's native kernels (kernels.c and its parts): a decoder layer's work between its linears, in C.
 
 specdec.model.runner calls three of them a layer (residual add + norm, rotary + KV write + attention,
 the SwiGLU gate) instead of ~20 small torch ops, and for a Llama or GPT-2 model whose linears are
@@ -13,7 +13,7 @@ and it and that record are owned by this user or root and writable by no one els
 built again (:func:`build`). One build serves every x86-64 CPU (its vector code is cloned per
 instruction set and chosen at load time). Without a compiler, or when the build fails,
 :func:`kernels` returns None with the reason logged, and the runner keeps its torch ops (the same
-results up to rounding, a few ms a step slower). ``python -m specdec.native`` builds it ahead of
+results up to rounding, slower: docs/performance.md). ``python -m specdec.native`` builds it ahead of
 time (the container image does) and prints where it is.
 """
 
@@ -43,10 +43,11 @@ logger = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent
 SOURCE = FOLDER / "kernels.c"
-# kernels.c's companions, one library: the quantised linears' driver, one file per GGUF format, the
-# headers they share
-PARTS = ("quant.c", "q4_0.c", "q4_1.c", "q5_0.c", "q5_1.c", "q8_0.c", "q4_k.c", "q5_k.c", "q6_k.c")
-HEADERS = ("common.h", "quant.h", "kquant.h")
+# kernels.c's companions, one library: the fp32 kernels (norms and the gate, attention, linears), the
+# quantised linears' driver, one file per GGUF format, the headers they share
+PARTS = ("rowwise.c", "attention.c", "linear.c", "quant.c", "q4_0.c", "q4_1.c", "q5_0.c", "q5_1.c", "q8_0.c",
+         "q4_k.c", "q5_k.c", "q6_k.c")
+HEADERS = ("common.h", "kernels.h", "quant.h", "kquant.h")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-Wall", "-Werror", "-Wno-psabi")
 SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
 DISABLE_ENV = "SPECDEC_NATIVE"  # "0": never build or load (the runner keeps its torch ops)

@@ -1,5 +1,5 @@
 /* What specdec's native kernels share: vector types, element-wise helpers, a linear's output
- * epilogue and the threads' split of panels (kernels.c, quant.c and the format files). */
+ * epilogue and the threads' split of panels (the fp32 kernels, quant.c and the format files). */
 #pragma once
 #include <math.h>
 #include <stdint.h>

@@ -52,11 +52,74 @@ INLINE v16 qscale(int fmt, v16 d, v16 m, v16i sums, v16 xs, v16 xsum, v16i xq128
 #if defined(SD_HAVE_AVX2)
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
+/* One block's byte products of `rows` rows of x's quants (x: the block's first, row 0) against
+ * the blocks blk of `panels` panels, into s (Q4_1: the low nibbles against k 0..15 and the high
+ * against 16..31; Q8_0: k 0..31). */
+VNNI INLINE void qdots_vnni(const sd_qargs *a, const uint8_t *const *blk, const int8_t *x, const int rows,
+                            const int panels, const int fmt, __m512i s[][QPANELS]) {
+    const int64_t k = a->k;
+    const __m512i low = _mm512_set1_epi8(15);
+    if (fmt == SD_Q4_1) {
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+            __m512i lo[QPANELS], hi[QPANELS];
+#pragma GCC unroll 8
+            for (int p = 0; p < panels; p++) {
+                __m512i q = _mm512_loadu_si512(blk[p] + QHEAD + v * 64);
+                lo[p] = _mm512_and_si512(q, low);
+                hi[p] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) {
+                int32_t xl, xh;
+                memcpy(&xl, x + r * k + 4 * v, 4);
+                memcpy(&xh, x + r * k + 16 + 4 * v, 4);
+                __m512i bl = _mm512_set1_epi32(xl), bh = _mm512_set1_epi32(xh);
+#pragma GCC unroll 8
+                for (int p = 0; p < panels; p++)
+                    s[r][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p], lo[p], bl), hi[p], bh);
+            }
+        }
+    } else {
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; v++) {
+            __m512i q[QPANELS];
+#pragma GCC unroll 8
+            for (int p = 0; p < panels; p++) q[p] = _mm512_loadu_si512(blk[p] + QHEAD + v * 64);
+#pragma GCC unroll 8
+            for (int r = 0; r < rows; r++) {
+                int32_t xv;
+                memcpy(&xv, x + r * k + 4 * v, 4);
+                __m512i bx = _mm512_set1_epi32(xv);
+#pragma GCC unroll 8
+                for (int p = 0; p < panels; p++) s[r][p] = _mm512_dpbusd_epi32(s[r][p], q[p], bx);
+            }
+        }
+    }
+}
+
+/* acc += block b's products s of rows [m0, m0 + rows), scaled by the blocks' and the rows' scales. */
+VNNI INLINE void qscale_vnni(const sd_qargs *a, const uint8_t *const *blk, int64_t m0, int64_t b, int64_t nb,
+                             const int rows, const int panels, const int fmt, __m512i s[][QPANELS],
+                             v16 acc[][QPANELS]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) {
+        int64_t at = (m0 + r) * nb + b;
+        v16 xs = (v16)_mm512_set1_ps(a->xs[at]), xsum = (v16)_mm512_set1_ps(a->xsum[at]);
+        v16i xq128 = (v16i)_mm512_set1_epi32(a->xq128[at]);
+#pragma GCC unroll 8
+        for (int p = 0; p < panels; p++) {
+            v16 d = (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[p]));
+            v16 m = fmt == SD_Q4_1 ? (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[p] + 32))) : xs;
+            acc[r][p] = qscale(fmt, d, m, (v16i)s[r][p], xs, xsum, xq128, acc[r][p]);
+        }
+    }
+}
+
 /* `rows` rows (1 or 2) against `panels` panels (1 .. QPANELS) from (m0, p0). */
 VNNI INLINE void qtile_vnni(const sd_qargs *a, int64_t m0, int64_t p0, const int rows, const int panels,
                             const int fmt) {
     const int64_t k = a->k, nb = k / QBLOCK, pb = vnni_panel_bytes(fmt);
-    const __m512i low = _mm512_set1_epi8(15);
     v16 acc[QMAXR][QPANELS];
 #pragma GCC unroll 8
     for (int r = 0; r < rows; r++)
@@ -77,55 +140,8 @@ VNNI INLINE void qtile_vnni(const sd_qargs *a, int64_t m0, int64_t p0, const int
         for (int p = 0; p < panels; p++)
 #pragma GCC unroll 16
             for (int64_t c = 0; c < pb; c += 64) _mm_prefetch((const char *)blk[p] + VPREFETCH * QPANELS * pb + c, _MM_HINT_T0);
-        if (fmt == SD_Q4_1) {
-#pragma GCC unroll 4
-            for (int v = 0; v < 4; v++) {
-                __m512i lo[QPANELS], hi[QPANELS];
-#pragma GCC unroll 8
-                for (int p = 0; p < panels; p++) {
-                    __m512i q = _mm512_loadu_si512(blk[p] + QHEAD + v * 64);
-                    lo[p] = _mm512_and_si512(q, low);
-                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-                }
-#pragma GCC unroll 8
-                for (int r = 0; r < rows; r++) {
-                    int32_t xl, xh;
-                    memcpy(&xl, x + r * k + 4 * v, 4);
-                    memcpy(&xh, x + r * k + 16 + 4 * v, 4);
-                    __m512i bl = _mm512_set1_epi32(xl), bh = _mm512_set1_epi32(xh);
-#pragma GCC unroll 8
-                    for (int p = 0; p < panels; p++)
-                        s[r][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p], lo[p], bl), hi[p], bh);
-                }
-            }
-        } else {
-#pragma GCC unroll 8
-            for (int v = 0; v < 8; v++) {
-                __m512i q[QPANELS];
-#pragma GCC unroll 8
-                for (int p = 0; p < panels; p++) q[p] = _mm512_loadu_si512(blk[p] + QHEAD + v * 64);
-#pragma GCC unroll 8
-                for (int r = 0; r < rows; r++) {
-                    int32_t xv;
-                    memcpy(&xv, x + r * k + 4 * v, 4);
-                    __m512i bx = _mm512_set1_epi32(xv);
-#pragma GCC unroll 8
-                    for (int p = 0; p < panels; p++) s[r][p] = _mm512_dpbusd_epi32(s[r][p], q[p], bx);
-                }
-            }
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < rows; r++) {
-            int64_t at = (m0 + r) * nb + b;
-            v16 xs = (v16)_mm512_set1_ps(a->xs[at]), xsum = (v16)_mm512_set1_ps(a->xsum[at]);
-            v16i xq128 = (v16i)_mm512_set1_epi32(a->xq128[at]);
-#pragma GCC unroll 8
-            for (int p = 0; p < panels; p++) {
-                v16 d = (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk[p]));
-                v16 m = fmt == SD_Q4_1 ? (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk[p] + 32))) : xs;
-                acc[r][p] = qscale(fmt, d, m, (v16i)s[r][p], xs, xsum, xq128, acc[r][p]);
-            }
-        }
+        qdots_vnni(a, blk, x, rows, panels, fmt, s);
+        qscale_vnni(a, blk, m0, b, nb, rows, panels, fmt, s, acc);
     }
     linear_args la = {NULL, NULL, a->bias, a->residual, a->y, a->m, a->k, a->n, a->act};
 #pragma GCC unroll 8

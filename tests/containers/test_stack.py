@@ -31,6 +31,7 @@ from openai import OpenAI
 
 from specdec.native import kernels
 from tests.containers.conftest import PORTS, PROJECT, SERVICES, Stack, podman, tool
+from tests.support import wait_until
 
 pytestmark = pytest.mark.containers
 
@@ -56,10 +57,15 @@ def test_every_service_becomes_healthy(stack: Stack) -> None:
     ps = [json.loads(line) for line in stack.compose("ps", "--format", "json").stdout.splitlines() if line.strip()]
     health = {entry["Service"]: entry.get("Health") or entry.get("State") for entry in ps}
     assert health == dict.fromkeys(SERVICES, "healthy"), health
-    # Start to healthy, per container: the first healthy check after the container started.
     for service in SERVICES:
         state = stack.inspect(service)["State"]
-        stack.figures.setdefault("start_to_healthy_s", {})[service] = first_healthy_after_start(state)
+        assert state["Running"] is True and state["Health"]["Status"] == "healthy", (service, state)
+        assert state["Health"]["FailingStreak"] == 0, (service, state["Health"])
+        # Start to healthy, per container: the first passing check since this start (healthy by
+        # a check of its own, not by a status left from an earlier run of the container)
+        start_to_healthy = first_healthy_after_start(state)
+        assert start_to_healthy is not None, f"{service}: no passing health check since it started: {state['Health']}"
+        stack.figures.setdefault("start_to_healthy_s", {})[service] = start_to_healthy
 
 
 def first_healthy_after_start(state: dict) -> float | None:
@@ -76,10 +82,24 @@ def first_healthy_after_start(state: dict) -> float | None:
     return None
 
 
+def published(stack: Stack, service: str) -> dict[str, list[tuple[str, str]]]:
+    """The running container's published ports: {"50051/tcp": [(host ip, host port)], ...}."""
+    ports = stack.inspect(service)["NetworkSettings"]["Ports"] or {}
+    return {port: [(b["HostIp"], b["HostPort"]) for b in bindings or []] for port, bindings in ports.items()
+            if bindings}
+
+
 def test_model_services_are_not_published_by_compose_yaml_alone(stack: Stack) -> None:
-    config = json.loads(Stack(env=stack.env, files=("compose.yaml",)).compose("config", "--format", "json").stdout)
-    assert [p["target"] for p in config["services"]["draft"].get("ports", [])] == []
-    # The grpc override adds a network of their own; the models network stays internal.
+    alone = json.loads(Stack(env=stack.env, files=("compose.yaml",)).compose("config", "--format", "json").stdout)
+    for service in ("draft", "target"):
+        assert alone["services"][service].get("ports", []) == [], alone["services"][service]["ports"]
+        assert set(alone["services"][service]["networks"]) == {"models"}
+    # The grpc override publishes each on loopback only, on a network of their own; the models
+    # network stays internal (no port can be published from it).
+    for service, port in (("draft", 50051), ("target", 50052)):
+        host_port = str(PORTS[f"SPECDEC_{service.upper()}_PORT"])
+        assert published(stack, service) == {f"{port}/tcp": [("127.0.0.1", host_port)]}, published(stack, service)
+    assert published(stack, "orchestrator") == {"8000/tcp": [("127.0.0.1", str(PORTS["SPECDEC_ORCHESTRATOR_PORT"]))]}
     networks = json.loads(podman("network", "inspect", f"{PROJECT}_models"))
     assert networks[0]["internal"] is True
 
@@ -93,10 +113,14 @@ def test_rest_generate(client: httpx.Client) -> None:
     body = reply.json()
     assert body["text"].strip() and len(body["token_ids"]) == 24
     assert body["mode"] == "speculative" and body["steps"]
-    assert body["stats"]["draft_tokens"] > 0 and body["stats"]["accepted_tokens"] >= 0
+    steps, stats = body["steps"], body["stats"]
+    assert [t for s in steps for t in s["tokens"]] == body["token_ids"]
+    # the totals are the steps' own: what was drafted, and what of it the target accepted
+    assert stats["draft_tokens"] == sum(len(s["draft"]) for s in steps) > 0
+    assert stats["accepted_tokens"] == sum(s["accepted"] for s in steps)
     # Output is the target's own: plain decoding gives the same tokens.
     plain = generate(client, max_tokens=24, mode="autoregressive").json()
-    assert plain["token_ids"] == body["token_ids"]
+    assert plain["token_ids"] == body["token_ids"] and plain["text"] == body["text"]
 
 
 def test_streamed_generate(client: httpx.Client) -> None:
@@ -112,8 +136,11 @@ def test_streamed_generate(client: httpx.Client) -> None:
             elif line.startswith("data:"):
                 events.append((event, json.loads(line.split(":", 1)[1])))
     kinds = [kind for kind, _ in events]
-    assert kinds[-1] == "done" and kinds.count("done") == 1
-    assert kinds.count("step") >= 1 and set(kinds) <= {"step", "done"}
+    assert kinds[-1] == "done" and kinds.count("done") == 1 and set(kinds) == {"step", "done"}
+    # the steps carry every token of the answer, in order
+    done = events[-1][1]
+    assert [t for kind, data in events if kind == "step" for t in data["tokens"]] == done["token_ids"]
+    assert 0 < len(done["token_ids"]) <= 24
 
 
 def test_openai_client_chat(stack: Stack) -> None:
@@ -122,10 +149,16 @@ def test_openai_client_chat(stack: Stack) -> None:
     reply = client.chat.completions.create(model=model, temperature=0, max_tokens=24,
                                            messages=[{"role": "user", "content": "Name three rivers."}])
     assert reply.choices[0].message.content.strip()
-    assert 0 <= reply.model_extra["specdec"]["acceptance_rate"] <= 1
-    chunks = list(client.chat.completions.create(model=model, temperature=0, max_tokens=16, stream=True,
-                                                 messages=[{"role": "user", "content": "Say hello."}]))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+    specdec = reply.model_extra["specdec"]
+    assert specdec["tokens"] == reply.usage.completion_tokens
+    assert specdec["draft_tokens"] > 0 and specdec["acceptance_rate"] == pytest.approx(
+        specdec["accepted_tokens"] / specdec["draft_tokens"])
+    hello = [{"role": "user", "content": "Say hello."}]
+    chunks = list(client.chat.completions.create(model=model, temperature=0, max_tokens=16, stream=True, messages=hello))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # greedy: the stream says what the same request answers in one piece
+    whole = client.chat.completions.create(model=model, temperature=0, max_tokens=16, messages=hello)
+    assert streamed.strip() and streamed == whole.choices[0].message.content
 
 
 def grpcurl(*args: str) -> str:
@@ -148,25 +181,31 @@ def test_grpcurl_draft_service(stack: Stack) -> None:
     assert json.loads(grpcurl(address, "grpc.health.v1.Health/Check"))["status"] == "SERVING"
     reply = json.loads(grpcurl("-d", json.dumps({"session_id": "ctest", "tokens": TOKENS, "max_draft_tokens": 4}),
                                address, "specdec.v1.DraftService/Propose"))
-    assert 1 <= len(field(reply, "draft_tokens")) <= 4
+    # no confidence threshold asked: a whole draft of 4
+    assert len(field(reply, "draft_tokens")) == 4 and field(reply, "stop_reason") == "DRAFT_STOP_REASON_MAX_TOKENS", reply
     info = json.loads(grpcurl(address, "specdec.v1.DraftService/Info"))
     # auto: specdec's kernels where this CPU runs their vector form (the image ships them built)
     native = kernels()
     assert info["backend"] == ("native" if native is not None and native.quant_isa("Q4_1") != "baseline" else "llamacpp")
 
 
-def test_grpcurl_target_service(stack: Stack) -> None:
+def test_grpcurl_target_service(stack: Stack, client: httpx.Client) -> None:
     address = stack.grpc("target")
     assert "specdec.v1.TargetService" in grpcurl(address, "list").split()
     assert json.loads(grpcurl(address, "grpc.health.v1.Health/Check"))["status"] == "SERVING"
-    reply = json.loads(grpcurl("-d", json.dumps({"session_id": "ctest", "tokens": TOKENS, "draft_tokens": [260, 3003]}),
+    draft = [260, 3003]  # " the primary"
+    reply = json.loads(grpcurl("-d", json.dumps({"session_id": "ctest", "tokens": TOKENS, "draft_tokens": draft}),
                                address, "specdec.v1.TargetService/Verify"))
-    assert 0 <= int(reply.get("num_accepted", reply.get("numAccepted", 0))) <= 2
-    assert int(field(reply, "next_token")) >= 0
+    # Greedy verification against the target's own greedy continuation of PROMPT (whose tokens
+    # TOKENS are): the draft's agreeing prefix is accepted, then the target's next token.
+    plain = generate(client, max_tokens=len(draft) + 1, mode="autoregressive").json()["token_ids"]
+    agree = next((i for i, (d, t) in enumerate(zip(draft, plain, strict=False)) if d != t), len(draft))
+    accepted = int(reply.get("num_accepted", reply.get("numAccepted", 0)))  # proto3 JSON leaves a 0 out
+    assert (accepted, int(field(reply, "next_token"))) == (agree, plain[agree]), (reply, plain)
     # Both services hold the same tokenizer (the orchestrator refuses a pair otherwise).
     fingerprints = {field(json.loads(grpcurl(stack.grpc(s), f"specdec.v1.{s.capitalize()}Service/Info")),
                           "tokenizer_fingerprint") for s in ("draft", "target")}
-    assert len(fingerprints) == 1
+    assert len(fingerprints) == 1 and len(next(iter(fingerprints))) == 64, fingerprints
     # Both model services load the kernels the image ships prebuilt (as the services' own user):
     # without them the target would fall back to torch ops and the draft to llama.cpp.
     for service in ("draft", "target"):
@@ -246,20 +285,30 @@ def kill(stack: Stack, service: str) -> int:
 
 def wait_restarted(stack: Stack, service: str, before: int, timeout_s: float = 300) -> float:
     start = time.monotonic()
-    while stack.inspect(service)["RestartCount"] <= before:
-        assert time.monotonic() - start < 60, f"{service} was not restarted\n{stack.logs(service)}"
-        time.sleep(0.5)
+    wait_until(lambda: stack.inspect(service)["RestartCount"] > before, 60,
+               lambda: f"{service} was not restarted\n{stack.logs(service)}", 0.5)
     return time.monotonic() - start + stack.wait_healthy(service, timeout_s)
+
+
+def drafting(outcomes: list[tuple[float, int, dict]], since: float) -> bool:
+    """The last two requests ended after ``since``, both speculating with the draft, none without it."""
+    last = outcomes[-2:]
+    return len(last) == 2 and all(
+        at > since and status == 200 and body["stats"]["draft_tokens"] > 0 and body["stats"]["draft_fallbacks"] == 0
+        for at, status, body in last)
 
 
 def test_killed_draft_restarts_without_a_failed_request(stack: Stack, client: httpx.Client) -> None:
     # A fixed k: every step asks the draft, so its absence and its return both show.
     with Load(client, controller="fixed", k=4) as load:
-        time.sleep(3)
+        wait_until(lambda: len(load.outcomes) >= 2, 120, "two requests served before the kill", 0.2)
         before = kill(stack, "draft")
         killed_at = time.monotonic()
         back = wait_restarted(stack, "draft", before)
-        time.sleep(12)  # the orchestrator retries a failed draft after 5 s
+        healthy_at = time.monotonic()
+        # the orchestrator retries a failed draft after draft_retry_s (5 s): drafting resumes
+        wait_until(lambda: drafting(load.outcomes, healthy_at), 60,
+                   lambda: f"no drafting since the draft came back: {load.outcomes[-2:]}", 0.5)
     stack.figures["draft_restart_to_healthy_s"] = round(back, 1)
     failed = [(status, body) for _, status, body in load.outcomes if status != 200]
     assert not failed, failed[:3]
@@ -274,15 +323,16 @@ def test_killed_target_restarts_and_requests_succeed_again(stack: Stack, client:
     before = kill(stack, "target")
     back = wait_restarted(stack, "target", before)
     stack.figures["target_restart_to_healthy_s"] = round(back, 1)
-    deadline, statuses = time.monotonic() + 120, []
-    while time.monotonic() < deadline:
+    statuses: list[int] = []
+
+    def served() -> bool:
         reply = generate(client)
         statuses.append(reply.status_code)
-        if reply.status_code == 200:
-            break
-        assert reply.status_code == 503, reply.text  # down: 503 with the reason, nothing else
-        time.sleep(1)
-    assert statuses[-1] == 200, f"no success within 120 s of the target's return: {statuses[-5:]}"
+        if reply.status_code != 200:
+            assert reply.status_code == 503, reply.text  # down: 503 with the reason, nothing else
+        return reply.status_code == 200
+
+    wait_until(served, 120, lambda: f"no success within 120 s of the target's return: {statuses[-5:]}", 1)
     assert all(generate(client).status_code == 200 for _ in range(3))
     stack.wait_healthy("orchestrator", 120)  # raises with the logs when it does not get there
 

@@ -46,7 +46,7 @@ def stubs(embedded_target):
 def test_fingerprints_match(stubs):
     draft, target = stubs
     d, t = draft.Info(pb.InfoRequest()), target.Info(pb.InfoRequest())
-    assert d.backend == "llamacpp" and d.dtype == "Q4_1" and t.backend == "transformers"
+    assert d.backend == "llamacpp" and d.dtype == "Q4_1" and t.backend == "native"
     assert d.tokenizer_fingerprint == t.tokenizer_fingerprint
     assert d.vocab_size == t.vocab_size == 49152
 

@@ -1,4 +1,5 @@
-"""The load benchmark: its statistics on hand-made timings, and one short real run on tiny models."""
+"""The load benchmark: its statistics (evaluation.stats) on hand-made timings, and one short real run
+on tiny models."""
 
 from __future__ import annotations
 
@@ -7,16 +8,13 @@ import random
 
 import pytest
 
-from evaluation.load import (
+from evaluation.load import main, parse_args, render_tables
+from evaluation.stats import (
     add_ratios,
     batch_means,
     itl_per_token,
-    main,
-    parse_args,
     poisson_arrivals,
     quantiles,
-    render_tables,
-    retry_after,
     step_gaps,
     summarise_run,
 )
@@ -113,9 +111,7 @@ def test_poisson_arrivals_are_seeded_and_inside_the_duration():
     assert times == poisson_arrivals(10.0, 100.0, random.Random(1))
 
 
-def test_retry_after_and_arguments():
-    assert retry_after("1") == 1.0 and retry_after("0.5") == 0.5
-    assert retry_after(None) is None and retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None
+def test_arguments():
     args = parse_args(["--concurrency", "1,4", "--rates", "0.5,2", "--env", "A=b=c"])
     assert args.concurrency == [1, 4] and args.rates == [0.5, 2.0] and args.env == [("A", "b=c")]
     assert parse_args(["--concurrency", "", "--rates", "1"]).concurrency == []  # open loop only

@@ -141,7 +141,18 @@ def fit_and_keep(page, shot: Path) -> None:
     height = page.evaluate("""() => Math.max(...['stMain', 'stSidebarContent'].map(
         id => document.querySelector(`[data-testid=${id}]`)?.scrollHeight || 0))""")
     page.set_viewport_size({"width": 1440, "height": max(1000, min(height + 40, 4000))})
-    page.wait_for_timeout(1500)  # let the charts redraw at the new size
+    # the charts redraw at the new size: wait until the layout and every chart's drawing hold still
+    # between two looks
+    page.wait_for_function("""() => {
+        const boxes = [...document.querySelectorAll('[data-testid=stVegaLiteChart]')].map(chart => {
+            const drawn = chart.querySelector('canvas, svg');
+            return [chart, drawn].map(e => e ? `${e.clientWidth}x${e.clientHeight}` : '-').join('/');
+        });
+        const now = boxes.join() + '|' + document.querySelector('[data-testid=stMain]')?.scrollHeight;
+        const still = window.layoutSeen === now;
+        window.layoutSeen = now;
+        return still;
+    }""", polling=250, timeout=10_000)
     page.screenshot(path=str(shot))
     assert shot.stat().st_size > 10_000
     if os.environ.get("SPECDEC_ARTIFACTS_DIR"):

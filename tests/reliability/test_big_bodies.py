@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.reliability.helpers import env_float, env_int, rss_kib, summarize, write_report
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.reliability, pytest.mark.embedded]
 
@@ -66,12 +67,13 @@ def test_bodies_that_cannot_fit_are_refused_at_once_and_cost_nothing(embedded_st
     def sampler() -> None:
         while time.monotonic() < stop:
             peak[0] = max(peak[0], rss_kib(pid))
-            time.sleep(0.2)
+            time.sleep(0.2)  # the sampling period of the memory reading
 
     threads = [threading.Thread(target=attacker, args=(i,)) for i in range(CLIENTS)] + [threading.Thread(target=sampler)]
     for t in threads:
         t.start()
-    time.sleep(min(3.0, SECONDS / 3))  # the attack under way
+    # the attack under way: as many bodies refused as there are clients
+    wait_until(lambda: len(refusals) >= CLIENTS, SECONDS / 2, lambda: f"{len(refusals)} bodies answered", 0.02)
     t0 = time.monotonic()
     during = httpx.post(f"{url}/v1/generate", json=normal, timeout=120)
     during_s = time.monotonic() - t0

@@ -15,7 +15,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.reliability.helpers import env_int, summarize, write_report
+from tests.reliability.helpers import env_int, service_info, summarize, write_report
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.reliability, pytest.mark.embedded]
 
@@ -47,7 +48,7 @@ def test_sampling_requests_with_long_prompts_leave_every_step_room_for_others(em
                     status = -1
                 health[kind].append(status)
             ready.append(httpx.get(f"{url}/ready", timeout=10).status_code)
-            time.sleep(1.0)
+            time.sleep(1.0)  # the polling period of the health and readiness readings
         for channel in channels.values():
             channel.close()
 
@@ -56,7 +57,13 @@ def test_sampling_requests_with_long_prompts_leave_every_step_room_for_others(em
     poller.start()
     for t in threads:
         t.start()
-    time.sleep(2.0)  # the sampling prefills under way
+    try:  # the sampling prefills under way: every chat admitted, and the target computing for them
+        wait_until(lambda: httpx.get(f"{url}/v1/server", timeout=10).json()["active_streams"] == CLIENTS
+                   and service_info("target", ports["target"]).scheduler.queued > 0, 60,
+                   "the sampling chats admitted and at the target", 0.05)
+    except AssertionError:
+        done.set()  # the poller's loop ends with the test
+        raise
     t0 = time.monotonic()
     greedy = httpx.post(f"{url}/v1/generate", timeout=600,
                         json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})

@@ -32,7 +32,7 @@ from tests.reliability.helpers import (
     wait_released,
     write_report,
 )
-from tests.support import make_gpt2, start_model_service, start_orchestrator
+from tests.support import make_gpt2, start_model_service, start_orchestrator, wait_until
 
 pytestmark = pytest.mark.reliability
 
@@ -144,7 +144,7 @@ def test_sixty_four_silent_clients_are_cancelled_and_the_orchestrator_stays_boun
         f"orchestrator RSS {rss_before / 1024:.0f} MiB before, {peak_rss / 1024:.0f} MiB at the peak "
         f"(+{growth_mib:.1f}), {rss_after / 1024:.0f} MiB after; held after: {released}; a fresh request: {fresh.status}"])
     assert most_active == CLIENTS, report  # every silent client was admitted
-    assert active == 0 and stalled >= CLIENTS, report
+    assert active == 0 and stalled == CLIENTS, report  # this orchestrator's own: the warm-up streams were read
     assert generated < CLIENTS * MAX_TOKENS / 2, report
     assert released == {k: {"sessions": 0, "kv_bytes": 0} for k in services["ports"]}, report
     assert growth_mib < RSS_GROWTH_LIMIT_MIB, report
@@ -237,10 +237,8 @@ def test_sigterm_mid_stream_ends_every_generation_with_a_terminal_answer(service
             assert started.acquire(timeout=60), proc.tail()
         # and every plain request reached the server (running, queued or done): on a slow machine a
         # thread not yet connected when the signal came would meet the closed listener instead
-        deadline = time.monotonic() + 60
-        while requests_seen(url) < len(bodies):
-            assert time.monotonic() < deadline, (requests_seen(url), proc.tail())
-            time.sleep(0.05)
+        wait_until(lambda: requests_seen(url) == len(bodies), 60,
+                   lambda: f"{requests_seen(url)} of {len(bodies)} requests seen\n{proc.tail()}", 0.05)
         t_signal = time.monotonic()
         proc.popen.send_signal(signal.SIGTERM)
         refused = post(url, "/v1/generate", {"prompt": PROMPT, "max_tokens": 4}, 5.0)  # a new client meanwhile
@@ -249,18 +247,20 @@ def test_sigterm_mid_stream_ends_every_generation_with_a_terminal_answer(service
     exited_after_s = time.monotonic() - t_signal
     released = wait_released(services["ports"], timeout_s=20)
 
-    finished, cut, missing, not_admitted = [], [], [], []
+    finished, cut, missing, not_admitted, finished_ids = [], [], [], [], set()
     for i, out in enumerate(outcomes):
         if i < 16:
             terminal = [e for e, _ in out.events if e in ("done", "error")]
             if terminal == ["done"] and out.events[-1][0] == "done":
                 finished.append(out)
+                finished_ids.add(i)
             elif terminal == ["error"] and out.events[-1][0] == "error" and out.sse_error["status"] == 503:
                 cut.append(out)
             else:
                 missing.append((i, out.status, out.error, [e for e, _ in out.events[-2:]]))
         elif out.status == 200 and out.body.get("finish_reason") == "length":
             finished.append(out)
+            finished_ids.add(i)
         elif out.status == 503 and "shut down" in str(out.body):
             cut.append(out)
         elif out.status == 503 and "retry on another replica" in str(out.body):
@@ -282,12 +282,15 @@ def test_sigterm_mid_stream_ends_every_generation_with_a_terminal_answer(service
         f"with a 503 after the {DRAIN_S:.0f} s drain ({report['cut_after_s']} s after the signal), "
         f"{len(missing)} without a terminal answer; the process exited after {exited_after_s:.1f} s (code {exit_code})"])
     assert missing == [], report
-    assert refused.status in (0, 503) and (refused.status or refused.error), report  # listening closed, or 503
-    assert len(finished) >= 8 and len(cut) >= 8, report  # the short ones finished, the long ones were cut
+    # a new client: refused by the draining app (503), or the listening socket already closed
+    assert (refused.status == 503 and "shutting down" in str(refused.body)) or (
+        refused.status == 0 and refused.error != ""), report
+    short = {i for i in range(len(bodies)) if i % 2}
+    assert finished_ids >= short and len(cut) >= 8, report  # every short one finished, the long ones were cut
     assert all(DRAIN_S - 0.5 <= t <= DRAIN_S + 3 for t in cut_at), report
     assert all(len(o.token_ids) > 0 for o in cut if o.events), report  # the tokens so far came with it
     # uvicorn re-raises the signal once shut down: "terminated by SIGTERM" is a clean exit here
-    assert exit_code in (0, -signal.SIGTERM) and "Application shutdown complete" in proc.log.read_text(), report
+    assert exit_code == -signal.SIGTERM and "Application shutdown complete" in proc.log.read_text(), report
     assert exited_after_s < DRAIN_S + 10, report
     assert released == {k: {"sessions": 0, "kv_bytes": 0} for k in services["ports"]}, report
 

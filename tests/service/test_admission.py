@@ -9,9 +9,9 @@ import time
 from fastapi.testclient import TestClient
 
 from orchestrator.app import create_app
-from orchestrator.service import Slot
+from orchestrator.service import RETRY_AFTER_S, Slot
 from orchestrator.settings import OrchestratorSettings
-from tests.support import free_port
+from tests.support import free_port, wait_until
 
 
 class SlowTokenizer:
@@ -22,7 +22,7 @@ class SlowTokenizer:
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        time.sleep(self.delay_s)  # blocks whatever thread runs it
+        time.sleep(self.delay_s)  # a slow encode on purpose: blocks whatever thread runs it
         return self.inner(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -39,7 +39,7 @@ def test_a_slow_prompt_does_not_stall_the_event_loop(tiny_target_server):
     with _client(tiny_target_server) as client:
         assert client.get("/ready").status_code == 200
         rt = client.app.state.rt
-        rt.tokenizer = SlowTokenizer(rt.tokenizer, 1.5)
+        rt.tokenizer = slow = SlowTokenizer(rt.tokenizer, 1.5)
         answers = {}
         routes = {"generate": ("/v1/generate", {"prompt": "ab", "max_tokens": 2}),
                   "completion": ("/v1/completions", {"prompt": "ab", "max_tokens": 2})}
@@ -47,13 +47,14 @@ def test_a_slow_prompt_does_not_stall_the_event_loop(tiny_target_server):
                    for k, r in routes.items()]
         for t in threads:
             t.start()
-        time.sleep(0.3)  # the prompts are being tokenised now
+        wait_until(lambda: slow.calls >= 1, 10, "a prompt being tokenised")  # the encode blocks for 1.5 s
         t0 = time.monotonic()
         assert client.get("/health").status_code == 200
         assert time.monotonic() - t0 < 0.5  # the loop kept serving
         for t in threads:
             t.join(30)
         assert {k: r.status_code for k, r in answers.items()} == {"generate": 200, "completion": 200}
+        assert slow.calls == 2  # each prompt tokenised once, off the loop
 
 
 def test_a_request_over_the_limit_is_refused_before_its_prompt_is_tokenised(tiny_target_server):
@@ -64,7 +65,7 @@ def test_a_request_over_the_limit_is_refused_before_its_prompt_is_tokenised(tiny
         rt.active = 1  # the one slot is taken
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x " * 20}]})
         assert r.status_code == 429 and "too many concurrent requests" in r.json()["error"]["message"]
-        assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["Retry-After"]
+        assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["Retry-After"] == str(RETRY_AFTER_S)
         assert slow.calls == 0
         rt.active = 0
         assert client.post("/v1/generate", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
@@ -86,13 +87,6 @@ def _queue_seconds(client: TestClient, model: str) -> float:
                  if line.startswith(series)), 0.0)
 
 
-def _until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
 def test_a_request_over_the_limit_waits_in_the_queue_and_is_served_when_a_slot_frees(tiny_target_server):
     with _client(tiny_target_server, max_concurrent_requests=1, max_queued_requests=4) as client:
         assert client.get("/ready").status_code == 200
@@ -104,7 +98,7 @@ def test_a_request_over_the_limit_waits_in_the_queue_and_is_served_when_a_slot_f
         waiter = threading.Thread(target=lambda: answers.append(
             client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})))
         waiter.start()
-        _until(lambda: len(rt.waiters) == 1)
+        wait_until(lambda: len(rt.waiters) == 1, 10, "the request in the admission queue")
         assert _waiting(client) == 1.0
         assert slow.calls == 0 and not answers  # queued before its prompt was tokenised
         client.portal.call(held.release)
@@ -130,14 +124,14 @@ def test_the_admission_queue_times_out_and_fills_up_with_429s(tiny_target_server
             client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})))
         t0 = time.monotonic()
         waiter.start()
-        _until(lambda: len(rt.waiters) == 1)
+        wait_until(lambda: len(rt.waiters) == 1, 10, "the request in the admission queue")
         # the queue holds one: the next is refused at once, naming the limit
         full = client.post("/v1/generate", json={"prompt": "ab", "max_tokens": 2})
         assert full.status_code == 429 and "too many concurrent requests" in full.json()["detail"]
         waiter.join(30)
         waited = time.monotonic() - t0
         timed_out = answers[0]
-        assert timed_out.status_code == 429 and timed_out.headers["Retry-After"]
+        assert timed_out.status_code == 429 and timed_out.headers["Retry-After"] == str(RETRY_AFTER_S)
         assert "queue_timeout_s" in timed_out.json()["error"]["message"]
         assert 1.5 <= waited < 10
         assert not rt.waiters and rt.active == 1  # the waiter left no slot behind
@@ -154,7 +148,7 @@ def test_a_drain_answers_the_queued_requests_503(tiny_target_server):
         waiter = threading.Thread(target=lambda: answers.append(
             client.post("/v1/generate", json={"prompt": "ab", "max_tokens": 2})))
         waiter.start()
-        _until(lambda: len(rt.waiters) == 1)
+        wait_until(lambda: len(rt.waiters) == 1, 10, "the request in the admission queue")
         t0 = time.monotonic()
         rt.drain()  # as SIGTERM does, from outside the loop's turn
         waiter.join(30)
@@ -188,7 +182,6 @@ def test_a_prompt_that_cannot_fit_is_refused_before_any_template_or_tokenizer_wo
         rt = client.app.state.rt
         rt.tokenizer = slow = SlowTokenizer(rt.tokenizer, 0)
         context = rt.limits.target_max_context
-        assert rt.token_chars >= 1
         assert rt.token_chars == 1 and rt.encodes_spaces  # the tiny tokenizer: a token per character
         too_long = "a" * (context * rt.token_chars * 2 + 1)
         for path, body in (("/v1/completions", {"prompt": too_long}), ("/v1/generate", {"prompt": too_long}),

@@ -287,7 +287,7 @@ def test_health_ready_metrics(embedded_stack):
     ready = httpx.get(url + "/ready").json()
     native = kernels()  # the default draft backend, auto, runs native where AVX2 is, else llama.cpp
     draft = "native" if native is not None and native.quant_isa("Q4_1") != "baseline" else "llamacpp"
-    assert ready["ready"] and ready["draft"]["backend"] == draft and ready["target"]["backend"] == "transformers"
+    assert ready["ready"] and ready["draft"]["backend"] == draft and ready["target"]["backend"] == "native"
     text = httpx.get(url + "/metrics").text
     for name in ("specdec_drafts_total", "specdec_draft_tokens_total", "specdec_accepted_tokens_total",
                  "specdec_accepted_per_position_total", "specdec_k_bucket", "specdec_rpc_client_duration_seconds",

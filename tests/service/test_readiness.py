@@ -3,11 +3,13 @@ draft is unreachable: ready but degraded, and requests decode without drafts, un
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi.testclient import TestClient
 
 from orchestrator.app import create_app
 from orchestrator.settings import OrchestratorSettings
-from tests.support import free_port
+from tests.support import free_port, wait_until
 
 
 def test_a_draft_outage_leaves_the_orchestrator_ready_but_degraded(tiny_target_server):
@@ -41,8 +43,6 @@ def test_a_draft_that_comes_back_is_connected_again_within_seconds(tiny_target_s
     """While degraded the orchestrator looks for the draft every 2 s (not every 15 s, as when all is
     well), so requests speculate again soon after the draft returns; /v1/info does not reconnect by
     itself, so it shows the background loop's work."""
-    import time
-
     from draft_service.backends.ngram import NgramProposer
     from draft_service.servicer import build_server as build_draft
     from specdec.engine.sessions import SessionStore
@@ -57,12 +57,18 @@ def test_a_draft_that_comes_back_is_connected_again_within_seconds(tiny_target_s
         server, _, _ = build_draft(proposer, f"127.0.0.1:{draft_port}")
         server.start()
         try:
-            t0 = time.monotonic()
-            while client.get("/v1/info").json()["degraded"]:
-                assert time.monotonic() - t0 < 6, "the draft was not looked for again within 6 s"
-                time.sleep(0.2)
+            wait_until(lambda: client.get("/v1/info").json()["degraded"] == "", 6,
+                       "the draft looked for again and found", 0.05)
         finally:
             server.stop(0)
+
+
+def _new_target_seen(client: TestClient, pinned: bool, before: str, seen: list):
+    """/ready once it has asked the swapped target (at most every READY_RECHECK_S), else None."""
+    seen.append(r := client.get("/ready"))
+    if pinned:
+        return r if "does not match the target's" in r.json()["reason"] else None
+    return r if r.json()["target"].get("tokenizer_fingerprint", before) != before else None
 
 
 def test_a_target_swapped_for_another_tokenizer_is_noticed(tiny_models, tmp_path):
@@ -71,7 +77,6 @@ def test_a_target_swapped_for_another_tokenizer_is_noticed(tiny_models, tmp_path
     pinned (SPECDEC_ORCHESTRATOR_TOKENIZER) refuses to serve rather than decode with the wrong
     vocabulary; without a pin it loads the new model's tokenizer and serves it."""
     import shutil
-    import time
 
     from orchestrator.runtime import READY_RECHECK_S
     from specdec.engine.sessions import SessionStore
@@ -98,17 +103,20 @@ def test_a_target_swapped_for_another_tokenizer_is_noticed(tiny_models, tmp_path
                                         tokenizer=tiny_models["gpt2-target"] if pinned else None)
         try:
             with TestClient(create_app(settings), base_url="http://localhost") as client:
-                assert client.get("/ready").status_code == 200
+                r = client.get("/ready")
+                assert r.status_code == 200
+                before = r.json()["target"]["tokenizer_fingerprint"]
                 server.stop(0).wait()
                 server = serve(str(other))
-                time.sleep(READY_RECHECK_S)  # /ready asks the services again at most this often
-                r = client.get("/ready")
+                seen: list = []
+                r = wait_until(partial(_new_target_seen, client, pinned, before, seen), READY_RECHECK_S + 5,
+                               lambda seen=seen: f"/ready never saw the new target: {seen[-1].text}", 0.05)
                 if pinned:
-                    assert r.status_code == 503 and "does not match the target's" in r.json()["reason"]
+                    assert r.status_code == 503
                     assert client.post("/v1/generate", json={"prompt": "ab", "max_tokens": 2}).status_code == 503
                 else:
                     assert r.status_code == 200, r.text
-                    assert r.json()["target"]["tokenizer_fingerprint"] != ""
+                    assert len(r.json()["target"]["tokenizer_fingerprint"]) == len(before) == 64
                     assert client.app.state.rt.tokenizer.convert_tokens_to_ids("<extra>") == len(tok) - 1
         finally:
             server.stop(0)

@@ -10,7 +10,6 @@ queue, or between two of its draft steps, while the Release is queued and answer
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,6 +21,7 @@ from specdec.engine.sessions import SessionStore
 from specdec.models import load_hf
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from tests.support import wait_until
 
 PROMPT = [7, 3, 12, 5, 9, 20, 2, 11]
 K = 4
@@ -54,14 +54,6 @@ def draft(request):
     server.stop(0)
 
 
-def until(condition, within_s: float = 10.0) -> None:
-    """Wait for a state another thread reaches (a call queued); fails after ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, "the state was never reached"
-        time.sleep(0.005)
-
-
 def propose(stub, session_id: str):
     """Propose, returning the response or the status code it ended with."""
     try:
@@ -74,9 +66,9 @@ def test_a_propose_queued_before_the_release_does_not_recreate_the_session(draft
     stub, proposer, compute, stop = draft
     with ThreadPoolExecutor(3) as pool:
         pending = pool.submit(propose, stub, "queued")
-        until(lambda: compute._queue.qsize() == 1)  # the Propose waits for the compute thread
+        wait_until(lambda: compute._queue.qsize() == 1, 10, "the Propose waiting for the compute thread")
         release = pool.submit(stub.Release, pb.ReleaseRequest(session_id="queued"), timeout=60)
-        until(lambda: compute._queue.qsize() == 2)  # and the Release behind it
+        wait_until(lambda: compute._queue.qsize() == 2, 10, "the Release queued behind it")
         # The compute thread takes both in order: the Propose joins the batch, the Release runs at
         # once (a plain call), then the batch steps.
         serving = pool.submit(compute.serve, stop)
@@ -110,7 +102,7 @@ def test_a_propose_between_its_steps_when_released_does_not_recreate_the_session
         assert first_outcome == [PENDING]  # K tokens take K steps: the job waits for its next one
         assert "stepping" in proposer.store
         release = pool.submit(stub.Release, pb.ReleaseRequest(session_id="stepping"), timeout=60)
-        until(lambda: compute._queue.qsize() == 1)  # queued behind the step in progress
+        wait_until(lambda: compute._queue.qsize() == 1, 10, "the Release queued behind the step in progress")
         go.set()
         assert release.result(timeout=60).released is True
         outcome = pending.result(timeout=60)

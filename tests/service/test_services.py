@@ -19,6 +19,7 @@ from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from target_service.servicer import build_server as build_target
 from target_service.verify import TargetEngine
+from tests.support import greedy_reference
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -72,15 +73,24 @@ def test_health_serving_and_reflection(request, which):
         assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
 
 
-def test_propose_then_verify_round_trip(draft, target):
+def greedy_verdict(target_model, tokens: list[int], draft: list[int]) -> tuple[int, int]:
+    """(accepted, next token) of greedy verification: the draft's prefix that the target's own
+    greedy continuation agrees with, then the target's token after it."""
+    ref = greedy_reference(target_model, tokens, len(draft) + 1)
+    accepted = next((i for i, (d, t) in enumerate(zip(draft, ref, strict=False)) if d != t), len(draft))
+    return accepted, ref[accepted]
+
+
+def test_propose_then_verify_round_trip(draft, target, draft_addr, target_addr):
     tokens = [7, 3, 12, 5, 9]
     p = draft.Propose(pb.ProposeRequest(session_id="rt", tokens=tokens, max_draft_tokens=4))
-    assert 1 <= len(p.draft_tokens) <= 4 and len(p.confidences) == len(p.draft_tokens)
-    assert p.stop_reason != pb.DRAFT_STOP_REASON_UNSPECIFIED and p.compute_ns > 0
+    # no confidence threshold: the draft model's whole greedy continuation
+    assert list(p.draft_tokens) == greedy_reference(draft_addr[1].lm.model, tokens, 4)
+    assert len(p.confidences) == 4 and p.stop_reason == pb.DRAFT_STOP_REASON_MAX_TOKENS and p.compute_ns > 0
     v = target.Verify(pb.VerifyRequest(session_id="rt", tokens=tokens, draft_tokens=p.draft_tokens,
                                        return_target_probs=True))
-    assert 0 <= v.num_accepted <= len(p.draft_tokens) and v.compute_ns > 0
-    assert len(v.target_probs) == len(p.draft_tokens) and 0 < v.next_token_prob <= 1
+    assert (v.num_accepted, v.next_token) == greedy_verdict(target_addr[1].lm.model, tokens, list(p.draft_tokens))
+    assert v.compute_ns > 0 and len(v.target_probs) == len(p.draft_tokens) and 0 < v.next_token_prob <= 1
     # the next call extends the same session: its prefix comes from the cache
     seq = tokens + list(p.draft_tokens[: v.num_accepted]) + [v.next_token]
     v2 = target.Verify(pb.VerifyRequest(session_id="rt", tokens=seq))
@@ -89,7 +99,7 @@ def test_propose_then_verify_round_trip(draft, target):
 
 def test_info_describes_both(draft, target):
     d, t = draft.Info(pb.InfoRequest()), target.Info(pb.InfoRequest())
-    assert t.architecture == "LlamaForCausalLM" and t.backend == "transformers"
+    assert t.architecture == "LlamaForCausalLM" and t.backend == "native"
     assert t.vocab_size == d.vocab_size == 45 and t.max_context == 96
     assert t.tokenizer_fingerprint == d.tokenizer_fingerprint and len(t.tokenizer_fingerprint) == 64
     assert t.dtype == "float32" and list(t.eos_token_ids) == [0] and t.max_draft_tokens == 8
@@ -127,12 +137,13 @@ VERIFY_BAD = [
 
 
 @pytest.mark.parametrize("kwargs, message", VERIFY_BAD)
-def test_verify_bad_input_is_invalid_argument(target, kwargs, message):
+def test_verify_bad_input_is_invalid_argument(target, target_addr, kwargs, message):
     with pytest.raises(grpc.RpcError) as err:
         target.Verify(pb.VerifyRequest(**kwargs))
     assert err.value.code() == INVALID and message in err.value.details()
-    # and the service goes on serving
-    assert target.Verify(pb.VerifyRequest(session_id="after-bad", tokens=[1, 2])).next_token < 45
+    # and the service goes on serving, exactly
+    after = target.Verify(pb.VerifyRequest(session_id="after-bad", tokens=[1, 2]))
+    assert after.next_token == greedy_reference(target_addr[1].lm.model, [1, 2], 1)[0]
 
 
 def test_sessions_do_not_leak_on_bad_input(target, target_addr):
@@ -141,7 +152,7 @@ def test_sessions_do_not_leak_on_bad_input(target, target_addr):
     for kwargs, _ in VERIFY_BAD:
         with pytest.raises(grpc.RpcError):
             target.Verify(pb.VerifyRequest(**{**kwargs, "session_id": "leak-check"}))
-    assert "leak-check" not in set(engine.store._sessions) - before
+    assert set(engine.store._sessions) == before and "leak-check" not in engine.store
 
 
 def test_eviction_and_invalid_argument_over_the_budget(tiny_models):
@@ -224,11 +235,15 @@ def test_grpcurl_lists_describes_and_calls(draft_addr, target_addr):
     assert "rpc Verify" in run(target_addr[0], "describe", "specdec.v1.TargetService")
     proposed = json.loads(run("-d", json.dumps({"session_id": "cli", "tokens": [7, 3, 12], "max_draft_tokens": 3}),
                               draft_addr[0], "specdec.v1.DraftService/Propose"))
-    assert 1 <= len(proposed["draft_tokens"]) <= 3 and proposed["stop_reason"].startswith("DRAFT_STOP_REASON_")
+    assert proposed["draft_tokens"] == greedy_reference(draft_addr[1].lm.model, [7, 3, 12], 3)
+    assert proposed["stop_reason"] == "DRAFT_STOP_REASON_MAX_TOKENS"
     verified = json.loads(run("-d", json.dumps({"session_id": "cli", "tokens": [7, 3, 12],
                                                 "draft_tokens": proposed["draft_tokens"]}),
                               target_addr[0], "specdec.v1.TargetService/Verify"))
-    assert int(verified["compute_ns"]) > 0 and verified.get("num_accepted", 0) <= 3
+    # proto3 JSON leaves zero values out
+    verdict = (int(verified.get("num_accepted", 0)), int(verified.get("next_token", 0)))
+    assert int(verified["compute_ns"]) > 0
+    assert verdict == greedy_verdict(target_addr[1].lm.model, [7, 3, 12], proposed["draft_tokens"])
     health = json.loads(run(target_addr[0], "grpc.health.v1.Health/Check"))
     assert health["status"] == "SERVING"
 
@@ -273,8 +288,8 @@ def test_propose_with_yield_cores_runs_on_the_draft_overlap_threads(tiny_models)
         stub = pb_grpc.DraftServiceStub(channel)
         a = stub.Propose(pb.ProposeRequest(session_id="y", tokens=[7, 3, 12], max_draft_tokens=3, yield_cores=True))
         b = stub.Propose(pb.ProposeRequest(session_id="z", tokens=[7, 3, 12], max_draft_tokens=3))
-    assert seen == [1] * len(a.draft_tokens) + [2] * len(b.draft_tokens)
-    assert list(a.draft_tokens) == list(b.draft_tokens) and len(a.draft_tokens) >= 1
+    assert seen == [1] * 3 + [2] * 3
+    assert list(a.draft_tokens) == list(b.draft_tokens) == greedy_reference(proposer.lm.model, [7, 3, 12], 3)
 
 
 @pytest.mark.embedded

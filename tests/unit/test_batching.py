@@ -187,14 +187,14 @@ def test_transformers_drafts_in_batches_equal_drafts_alone(tiny_models):
     assert together[0].batch_sessions > 1
 
 
-def test_draft_sampling_passes_count_against_a_row_budget(tiny_models, monkeypatch):
+def test_draft_sampling_passes_count_against_a_row_budget(tiny_models):
     """Sampling drafts each run a pass of their own: one step holds as many of them as its row
     budget allows (one at least, in order), and each draft is still the one it gets alone."""
-    from draft_service.backends import hf
     from draft_service.backends.hf import TransformersProposer
+    from specdec.engine.planner import Budget
 
-    monkeypatch.setattr(hf, "SAMPLING_ROWS_PER_STEP", 40)
-    proposer = TransformersProposer(load_hf(tiny_models["llama-draft"]), SessionStore(16, 1 << 30, 0), 8)
+    proposer = TransformersProposer(load_hf(tiny_models["llama-draft"]), SessionStore(16, 1 << 30, 0), 8,
+                                    budget=Budget(40))
     s = sm.Sampling(temperature=0.9, seed=2)
     prompts = [[(5 * i + j) % 40 + 2 for j in range(30)] for i in range(5)]
     alone = [proposer.propose(f"a{i}", p, 3, 0.0, s) for i, p in enumerate(prompts)]

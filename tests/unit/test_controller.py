@@ -9,17 +9,13 @@ import pytest
 from orchestrator.controller import (
     AcceptanceController,
     CostController,
-    CostCurve,
-    CostModel,
     FixedController,
     HFController,
-    LinearFit,
-    Load,
-    StepObservation,
-    Topology,
-    compute_site,
     make_controller,
 )
+from orchestrator.controller_inputs import Load, StepObservation, Topology, compute_site
+from orchestrator.cost_fits import CostCurve, LinearFit
+from orchestrator.cost_model import CostModel
 
 
 def step(k, proposed, accepted, draft_ms=10.0, verify_ms=40.0, warm=True, **load):

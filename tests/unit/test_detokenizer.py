@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from orchestrator.loop import Detokenizer, _cut_at_stop
+from orchestrator.detokenizer import Detokenizer, _cut_at_stop
 from specdec.models import load_tokenizer
 
 TEXT = ("Speculative decoding — «vite» et sûr. 日本語のテキスト、絵文字 🚀🧪 too.\n"

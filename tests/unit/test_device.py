@@ -396,8 +396,9 @@ fi
     ("cuda:1", "cuda", False),
 ])
 async def test_the_orchestrator_reads_the_topology_from_device_and_host(target_device, draft_device, shared):
-    from orchestrator.controller import CostModel, Load
-    from orchestrator.loop import DraftHealth
+    from orchestrator.controller_inputs import Load
+    from orchestrator.cost_model import CostModel
+    from orchestrator.generation import DraftHealth
     from orchestrator.runtime import Runtime, connect
     from orchestrator.settings import OrchestratorSettings
     from specdec.v1 import specdec_pb2 as pb

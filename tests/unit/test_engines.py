@@ -214,56 +214,59 @@ def test_cache_bytes_are_accounted(target, prompt):
 
 def test_fast_linears_match_the_stock_kernel_and_pick_by_rows(tiny_models):
     """Inside a forward of the engine, linears run through the chosen kernel: oneDNN on weights
-    packed at load ("packed", the default where the build has it), oneDNN on the row-major weight
-    from ONEDNN_MIN_ROWS rows with MKL's ``(W @ x.T).T`` below ("onednn"), or MKL alone ("mkl");
-    all agree with ``F.linear`` to rounding. Outside (``generate``, other users of the model) the
-    stock kernel runs."""
+    packed at load ("packed", the default where the build has it, on every call), oneDNN on the
+    row-major weight from ONEDNN_MIN_ROWS rows with MKL's ``(W @ x.T).T`` below ("onednn", without
+    packing), or MKL alone ("mkl"); all agree with ``F.linear`` on a copy of the model nothing
+    touched, to rounding. Outside (``generate``, other users of the model) the row-major kernels
+    leave the stock one running."""
     import torch
 
-    from specdec.model.linears import ONEDNN_MIN_ROWS, fast_linears
+    from specdec.model.linears import ONEDNN_MIN_ROWS
     from specdec.model.runner import padded_rows
 
-    loaded = load_hf(tiny_models["llama-target"])
-    # to compare kernels, as evaluation.batchcost does; oneDNN's packing, not specdec.native's
-    fast_linears(loaded.model, keep_row_major=True, native=False)
-    engine = TargetEngine(loaded, SessionStore(2, 1 << 30, 0), native=False)
-    fast = engine.lm.fast_linears
-    if fast.kernels[0] != "packed":
+    path = tiny_models["llama-target"]
+    stock_model = load_hf(path).model
+    packed = TargetEngine(load_hf(path), SessionStore(2, 1 << 30, 0), native=False).lm
+    if packed.fast_linears.kernels != ("packed",):
         pytest.skip("this torch build has no oneDNN weight prepack")
-    assert fast.kernels == ("packed", "onednn", "mkl") and fast.released == 0
-    calls: list[tuple[int, bool]] = []
-    onednn = fast._onednn
-    fast._onednn = lambda x, w, *rest: (calls.append((x.shape[0], w.is_mkldnn)), onednn(x, w, *rest))[1]
-    linear = next(m for m in engine.lm.model.modules() if type(m) is torch.nn.Linear)
+    row_major = TargetEngine(load_hf(path), SessionStore(2, 1 << 30, 0), pack_weights=False).lm
+    assert row_major.fast_linears.kernels == ("onednn", "mkl") and row_major.fast_linears.released == 0
     rows = (1, 2, 4, ONEDNN_MIN_ROWS, 9, 40)
-    for kernel in fast.kernels:
+    for kernel, lm in (("packed", packed), ("onednn", row_major), ("mkl", row_major)):
+        fast = lm.fast_linears
         fast.kernel = kernel
-        calls.clear()
+        calls: list[tuple[int, bool]] = []
+        onednn = fast._onednn
+        fast._onednn = lambda x, w, *rest, onednn=onednn, calls=calls: (calls.append((x.shape[0], w.is_mkldnn)),
+                                                                         onednn(x, w, *rest))[1]
+        name, linear = next((n, m) for n, m in lm.model.named_modules() if type(m) is torch.nn.Linear)
+        stock = dict(stock_model.named_modules())[name]
         for n in rows:
-            x = torch.randn(1, n, linear.in_features)
-            stock = torch.nn.functional.linear(x, linear.weight, linear.bias)
+            x = torch.randn(1, n, stock.in_features)
+            want = torch.nn.functional.linear(x, stock.weight, stock.bias)
             with torch.inference_mode(), fast.active():
                 y = linear(x)
-            assert y.shape == stock.shape and torch.allclose(y, stock, rtol=1e-5, atol=1e-5), (kernel, n)
+            assert y.shape == want.shape and torch.allclose(y, want, rtol=1e-5, atol=1e-5), (kernel, n)
         expected = {"packed": [(padded_rows(n), True) for n in rows],  # fewer rows padded
                     "onednn": [(n, False) for n in rows if n >= ONEDNN_MIN_ROWS], "mkl": []}[kernel]
         assert calls == expected, kernel
-        linear(torch.randn(1, 9, linear.in_features))  # not inside a forward of the engine: stock
-        assert calls == expected, kernel
+        if kernel != "packed":  # a packed layer without its row-major weight runs packed everywhere
+            linear(torch.randn(1, 9, stock.in_features))  # not inside a forward of the engine: stock
+            assert calls == expected, kernel
+        fast._onednn = onednn
 
 
 def test_native_linears_match_the_stock_kernel_at_every_row_count(tiny_models, native_linears):
     """Where specdec.native builds, the engine's linears run on its kernel (weights packed in
-    panels at load) for any number of rows, a lone row included, and agree with ``F.linear``."""
+    panels at load) for any number of rows, a lone row included, and agree with ``F.linear`` on a
+    copy of the model nothing touched."""
     import torch
 
-    from specdec.model.linears import fast_linears
-
-    loaded = load_hf(tiny_models["gpt2-target"])  # Conv1D layers (weight [in, out]) and biases
-    fast_linears(loaded.model, keep_row_major=True)
-    engine = TargetEngine(loaded, SessionStore(2, 1 << 30, 0))
+    path = tiny_models["gpt2-target"]  # Conv1D layers (weight [in, out]) and biases
+    stock = dict(load_hf(path).model.named_modules())
+    engine = TargetEngine(load_hf(path), SessionStore(2, 1 << 30, 0))
     fast = engine.lm.fast_linears
-    assert fast.kernel == "native" and fast.kernels == ("native", "onednn", "mkl"), "specdec.native did not build"
+    assert fast.kernel == "native" and fast.kernels == ("native",), "specdec.native did not build"
     native, calls = fast.native, []
 
     class Counting:
@@ -275,29 +278,27 @@ def test_native_linears_match_the_stock_kernel_at_every_row_count(tiny_models, n
             return native.linear(x, *args, **kwargs)
 
     fast.native = Counting()
-    for module in [m for m in engine.lm.model.modules() if type(m).__name__ == "Conv1D"][:4]:
+    for name, module in [(n, m) for n, m in engine.lm.model.named_modules() if type(m).__name__ == "Conv1D"][:4]:
         for n in (1, 2, 3, 9, 70):
             calls.clear()
-            x = torch.randn(1, n, module.weight.shape[0])
-            stock = torch.addmm(module.bias, x.view(n, -1), module.weight).view(1, n, -1)
+            x = torch.randn(1, n, stock[name].weight.shape[0])
+            want = torch.addmm(stock[name].bias, x.view(n, -1), stock[name].weight).view(1, n, -1)
             with torch.inference_mode(), fast.active():
                 y = module(x)
             assert calls == [n]  # no padding: the kernel takes a lone row as it is
-            assert y.shape == stock.shape and torch.allclose(y, stock, rtol=1e-5, atol=1e-5), (module, n)
+            assert y.shape == want.shape and torch.allclose(y, want, rtol=1e-5, atol=1e-5), (name, n)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "onednn"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_packed_layers_free_their_row_major_weights_and_keep_their_outputs(tiny_models, arch, native, native_linears):
-    """By default each packed layer drops its row-major weight (a tied lm_head keeps it: the input
-    embeddings hold it) and serves every call from the packed one, inside an engine's forward or
-    not (``generate``); the outputs are those of the model that kept its weights, bit for bit."""
+    """Each packed layer drops its row-major weight (a tied lm_head keeps it: the input embeddings
+    hold it) and serves every call from the packed one, inside an engine's forward or not
+    (``generate``): the hidden states are the same bit for bit either way, and the logits those of
+    the stock kernels to rounding."""
     import torch
 
-    from specdec.model.linears import fast_linears
-
-    kept = load_hf(tiny_models[f"{arch}-target"])
-    fast_linears(kept.model, keep_row_major=True, native=native)
+    stock = load_hf(tiny_models[f"{arch}-target"]).model
     engine = TargetEngine(load_hf(tiny_models[f"{arch}-target"]), SessionStore(2, 1 << 30, 0), native=native)
     fast = engine.lm.fast_linears
     assert fast.kernel in ("native", "packed") and (fast.kernel == "native") == native
@@ -310,10 +311,12 @@ def test_packed_layers_free_their_row_major_weights_and_keep_their_outputs(tiny_
     assert fast.count == len(linears) and fast.released == fast.count - (1 if tied else 0) > 0
     assert all(m.weight.numel() == 0 for m in linears if not (tied and m is model.get_output_embeddings()))
     ids = torch.tensor([[5, 9, 2, 7, 1]])
-    with torch.inference_mode(), fast.active(), fast_linears(kept.model).active():
-        assert torch.equal(model(input_ids=ids).logits, kept.model(input_ids=ids).logits)
-    with torch.inference_mode():  # and those of the stock kernels, to rounding
-        assert torch.allclose(model(input_ids=ids).logits, kept.model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    with torch.inference_mode():
+        with fast.active():
+            inside = model(input_ids=ids, output_hidden_states=True)
+        outside = model(input_ids=ids, output_hidden_states=True)
+        assert torch.equal(inside.hidden_states[-1], outside.hidden_states[-1])
+        assert torch.allclose(outside.logits, stock(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
     assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 9)
 
 

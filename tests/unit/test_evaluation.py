@@ -1,27 +1,19 @@
 """The benchmark harness's pure parts: prompt suite, statistics and ideal-speedup math, Markdown
-rendering, mode selection, and the mismatch explanation on a tiny model. No timing assertions."""
+rendering and results files, mode selection, and the mismatch explanation on a tiny model; the
+in-process cost tools on the embedded pair. No timing assertions."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from evaluation import report
-from evaluation.bench import (
-    ExtraDraft,
-    all_modes,
-    draft_positions,
-    parse_args,
-    parse_extra_draft,
-    pick_modes,
-    position_counts,
-    render_markdown,
-    render_positions,
-    rotation,
-)
+from evaluation.bench import draft_positions, parse_args, position_counts, render_markdown, render_positions
+from evaluation.modes import ExtraDraft, all_modes, parse_extra_draft, pick_modes, rotation
 from evaluation.prompts import CATEGORIES, Prompt, load_suite, select, suite_digest
 from evaluation.stats import (
     acceptance_by_category,
@@ -258,6 +250,56 @@ def test_markdown_table_escapes_and_aligns():
     assert report.fmt(float("nan")) == "–" and report.fmt(None) == "–" and report.fmt(3, suffix="×") == "3×"
 
 
+def test_comma_separated_options():
+    assert report.numbers("1,2,4", int) == [1, 2, 4] and report.numbers("") == []
+    assert report.numbers("0,2.5", positive=False) == [0, 2.5]
+    for text, why in (("a", "not a comma-separated list of float"), ("0", "positive"), ("-1", "positive")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            report.numbers(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="at least 0"):
+        report.numbers("-1", positive=False)
+    with pytest.raises(argparse.ArgumentTypeError, match="one or more"):
+        report.numbers(" ,", empty=False)
+    assert report.names("a,,b") == ["a", "b"]
+
+
+def test_machine_line_names_the_machine_and_the_load():
+    m = {"cores": 2, "cpu": "EPYC", "ram_gb": 8.0, "load_average_start": [1.0, 0.5, 0.25]}
+    assert report.machine_line(m, "4 threads; ") == ("Machine: 2 cores, EPYC, 8.0 GB RAM; 4 threads; load average "
+                                                    "1.0/0.5/0.2 at the start, – at the end.")
+    info = report.machine_info(3)
+    assert info["threads"] == 3 and info["cores"] >= 1 and len(info["load_average_start"]) == 3
+    assert "threads" not in report.machine_info()
+
+
+# ---- results files -----------------------------------------------------------------------------------
+
+
+def test_write_results_writes_strict_json_with_non_finite_numbers_as_null(tmp_path):
+    results = {"speedup": math.nan, "runs": [{"ms": math.inf, "k": (1, -math.inf, 2.5)}], "out": tmp_path, "ok": 1.5}
+    path = report.write_results(tmp_path, results)
+    assert path == tmp_path / "results.json"
+    text = path.read_text()
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} in the file")
+
+    assert json.loads(text, parse_constant=no_constants) == {
+        "speedup": None, "runs": [{"ms": None, "k": [1, None, 2.5]}], "out": str(tmp_path), "ok": 1.5}
+    assert text.startswith('{\n "speedup"')  # indented by one
+    assert math.isnan(results["speedup"])  # the caller's results are left as they were
+
+
+def test_a_report_lands_beside_its_results_and_reads_back(tmp_path):
+    assert report.write_results(str(tmp_path), [1.0], "rtt.json") == Path(tmp_path) / "rtt.json"
+    assert json.loads((tmp_path / "rtt.json").read_text()) == [1.0]
+    md = report.write_report(tmp_path, {"a": Path("/x")}, "# R\n", "r.json", "r.md")
+    assert md == tmp_path / "r.md" and md.read_text() == "# R\n"
+    assert report.read_results(tmp_path, "r.json") == {"a": "/x"}
+    args = argparse.Namespace(out=Path("/o"), api_key="sk", n=1)
+    assert report.args_record(args, drop=("api_key",)) == {"out": "/o", "n": 1}
+
+
 def test_rendered_report_has_both_tables_and_mismatches():
     ar = _stats(100, 100, 0, 0, 0, 0, 4200, 4000, 100)
     sd = _stats(100, 25, 100, 75, 600, 500, 1600, 1500, 50)
@@ -391,9 +433,7 @@ def test_batchcost_measures_both_engines(tmp_path):
     """``python -m evaluation.batchcost`` on the embedded pair: a row per batch size, positive
     times, and a step of three sessions not cheaper than one (within noise)."""
     from evaluation import batchcost
-    from specdec.model.linears import KERNELS
 
-    assert ("native", *batchcost.KERNELS) == KERNELS  # native is the runner's ("runner")
     assert batchcost.main(["--batches", "1,3", "--rows", "1,2", "--repeats", "2", "--context", "32",
                            "--kernels", *batchcost.VARIANTS, "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
@@ -428,6 +468,34 @@ def test_batchcost_times_another_build_of_the_kernels_against_this_one(tmp_path,
     broken.write_text("this is not C\n")
     with pytest.raises(SystemExit, match="native-against"):
         batchcost.main([*argv[:-4], "--native-against", str(broken), "--out", str(tmp_path / "out2")])
+
+
+def test_a_copy_loaded_on_another_build_packs_and_runs_on_it(tiny_models, tmp_path, native_linears):
+    """What ``--native-against`` times: a copy of the model loaded inside batchcost.built_on(build)
+    has every linear and the runner's own kernels on that build; a build of a kernels.c without
+    sd_forward_decoder (an older one) runs the calls one by one, to the bits the current build's
+    one call computes."""
+    import torch
+
+    from evaluation import batchcost
+    from specdec.engine.executor import Executor
+    from specdec.engine.sessions import SessionStore
+    from specdec.models import load_hf
+    from specdec.native import SOURCE, Kernels, build
+
+    source = tmp_path / "kernels.c"
+    source.write_text(SOURCE.read_text().replace("sd_forward_decoder", "sd_forward_elsewhere"))
+    older = Kernels(build(tmp_path, source))
+    assert not older.stacked
+    path = tiny_models["llama-target"]
+    current = Executor(load_hf(path).model, SessionStore(8, 1 << 30, 0))
+    with batchcost.built_on(older):
+        swapped = Executor(load_hf(path).model, SessionStore(8, 1 << 30, 0))
+    assert swapped.runner.native is older and swapped.fast_linears.native is older
+    assert all(lin.native is older for lin in swapped.runner._linears()) and current.runner.native is not older
+    ids = [3, 17, 5, 22, 9, 31, 4, 12, 28, 7, 19, 2, 25, 11, 6, 33, 14]
+    got = [lm.extend(lm.session("s"), ids[:12], ids[12:17])[0] for lm in (current, swapped)]
+    assert torch.equal(*got)
 
 
 def test_batchcost_relative_pairs_each_pass_with_its_own_round():

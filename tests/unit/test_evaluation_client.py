@@ -1,19 +1,25 @@
-"""evaluation.client: request bodies, the SSE parser over a real httpx stream, token comparison and
-results files. No services, no models."""
+"""evaluation.client: request bodies, answered requests and their failures, the SSE parser over a
+real httpx stream, Retry-After and token comparison. No services, no models."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
 from sse_starlette import ServerSentEvent
 
-from evaluation.client import first_difference, generate_body, sse_events, write_results
+from evaluation.client import (
+    RequestFailed,
+    first_difference,
+    generate_body,
+    post_json,
+    retry_after,
+    sse_events,
+    sync_client,
+)
 from evaluation.prompts import Prompt
 
 # ---- generate_body --------------------------------------------------------------------------------
@@ -115,24 +121,34 @@ def test_first_difference():
     assert first_difference((1, 2), [1, 2]) is None  # any sequences of ids
 
 
-# ---- write_results ----------------------------------------------------------------------------------
+# ---- post_json and retry_after ---------------------------------------------------------------------
 
 
-def test_write_results_writes_strict_json_with_non_finite_numbers_as_null(tmp_path):
-    results = {"speedup": math.nan, "runs": [{"ms": math.inf, "k": (1, -math.inf, 2.5)}], "out": tmp_path, "ok": 1.5}
-    path = write_results(tmp_path, results)
-    assert path == tmp_path / "results.json"
-    text = path.read_text()
+def test_post_json_returns_the_answer_with_its_wall_time_and_names_a_failure():
+    seen = []
 
-    def no_constants(name: str) -> None:
-        raise AssertionError(f"{name} in the file")
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, json.loads(request.content), request.headers.get("authorization")))
+        if request.url.path == "/full":
+            return httpx.Response(429, text="x" * 600)
+        return httpx.Response(200, json={"ok": True})
 
-    assert json.loads(text, parse_constant=no_constants) == {
-        "speedup": None, "runs": [{"ms": None, "k": [1, None, 2.5]}], "out": str(tmp_path), "ok": 1.5}
-    assert text.startswith('{\n "speedup"')  # indented by one
-    assert math.isnan(results["speedup"])  # the caller's results are left as they were
+    with httpx.Client(transport=httpx.MockTransport(answer), headers={"authorization": "Bearer sk-1"}) as http:
+        out, wall_ms = post_json(http, "http://h/v1/generate", {"a": 1}, "mode on p")
+        assert out == {"ok": True} and wall_ms >= 0
+        with pytest.raises(RequestFailed, match=r"^mode on p: HTTP 429: x{500}$"):  # the body's start only
+            post_json(http, "http://h/full", {}, "mode on p")
+    assert seen[0] == ("/v1/generate", {"a": 1}, "Bearer sk-1")
 
 
-def test_write_results_takes_the_file_name(tmp_path):
-    assert write_results(str(tmp_path), [1.0], "rtt.json") == Path(tmp_path) / "rtt.json"
-    assert json.loads((tmp_path / "rtt.json").read_text()) == [1.0]
+def test_clients_send_the_api_key_and_wait_for_a_whole_answer():
+    with sync_client("sk-1", timeout_s=60) as http:
+        assert http.headers["authorization"] == "Bearer sk-1"
+        assert (http.timeout.read, http.timeout.connect) == (60, 10)
+    with sync_client() as http:
+        assert "authorization" not in http.headers
+
+
+def test_retry_after_reads_seconds_only():
+    assert retry_after("1") == 1.0 and retry_after("0.5") == 0.5 and retry_after("-3") == 0.0
+    assert retry_after(None) is None and retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None

@@ -179,6 +179,20 @@ def test_build_reuses_its_library_and_rebuilds_for_a_changed_source(tmp_path, mo
     assert second != first and second.exists()
 
 
+def test_the_library_name_covers_every_source_file(tmp_path):
+    """Every C file and header of the package is in a build's sources, so a change to any part
+    (attention.c, not only kernels.c) names a new library instead of loading a stale one."""
+    assert sorted(p.name for p in native_mod.sources()) == sorted(p.name for p in native_mod.FOLDER.glob("*.[ch]"))
+    copy = tmp_path / "src"
+    copy.mkdir()
+    for f in native_mod.sources():
+        (copy / f.name).write_bytes(f.read_bytes())
+    before = native_mod.library_name(copy / "kernels.c")
+    assert before == native_mod.library_name()  # the same files: the same name
+    (copy / "attention.c").write_text((copy / "attention.c").read_text() + "\n/* changed */\n")
+    assert native_mod.library_name(copy / "kernels.c") != before
+
+
 def test_a_missing_or_failing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "no-such-cc-here")
     with pytest.raises(NativeError, match="no C compiler"):

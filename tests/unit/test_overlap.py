@@ -13,8 +13,11 @@ import asyncio
 import pytest
 
 from orchestrator.clients import Proposed
-from orchestrator.controller import CostController, CostModel, Load, StepObservation, make_controller
-from orchestrator.loop import DraftHealth, GenerationParams, ModelLimits, generate
+from orchestrator.controller import CostController, make_controller
+from orchestrator.controller_inputs import Load, StepObservation
+from orchestrator.cost_model import CostModel
+from orchestrator.generation import DraftHealth, GenerationParams, ModelLimits
+from orchestrator.loop import generate
 from orchestrator.schemas import Step
 from specdec.engine.sessions import SessionStore
 from specdec.models import load_hf

@@ -1,6 +1,6 @@
-"""The llama-server comparison (evaluation/peer.py): argument parsing, the command lines and request
-it builds, the flag choice it shares with install_llamacpp.sh, and the statistics and tables. Nothing
-is built or started here."""
+"""The llama-server comparison (evaluation/peer.py, llamacpp.py, peer_report.py): argument parsing,
+the command lines and request it builds, the flag choice it shares with install_llamacpp.sh, and the
+statistics and tables. Nothing is built or started here."""
 
 from __future__ import annotations
 
@@ -14,20 +14,22 @@ from pathlib import Path
 import pytest
 
 from evaluation import peer
-from evaluation.peer import (
-    LABELS,
+from evaluation.llamacpp import (
     PeerError,
     completion_body,
-    find_mismatches,
-    headline_table,
     llama_bench_command,
     llama_server_command,
-    mismatch_lines,
-    parse_args,
     parse_llama_bench,
+    run_step,
+)
+from evaluation.peer import parse_args
+from evaluation.peer_report import (
+    LABELS,
+    find_mismatches,
+    headline_table,
+    mismatch_lines,
     per_prompt_table,
     render_markdown,
-    run_step,
     summarise,
 )
 from tests.support import ROOT

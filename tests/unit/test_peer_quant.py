@@ -13,24 +13,19 @@ from typing import Any
 import pytest
 
 from evaluation import peer
-from evaluation.peer import (
+from evaluation.llamacpp import VERIFY_ROWS, PeerError, llama_bench_command, parse_llama_bench_rows, run_llama_bench
+from evaluation.peer import Inputs, measure_quant, parse_args, target_problem
+from evaluation.peer_report import (
     BEST,
-    VERIFY_ROWS,
-    Inputs,
+    MODES,
     find_mismatches,
     headline_table,
-    llama_bench_command,
-    measure_quant,
     overview_table,
-    parse_args,
-    parse_llama_bench_rows,
     quant_blocks,
     render_markdown,
     render_tables,
-    run_llama_bench,
     summarise,
     target_env,
-    target_problem,
 )
 from evaluation.prompts import Prompt
 from specdec.model.gguf_convert import QUANTS
@@ -168,7 +163,7 @@ def _fakes(monkeypatch, events: _Events, dtype: dict[str, str]) -> None:
     def measure(client, prompts, prompt_ids, lengths, repeats):
         events.log.append(("measure", started["quant"]))
         same = [1, 2, 3, 4]
-        return [_run(m, "a", same, 100.0) for m in peer.MODES]
+        return [_run(m, "a", same, 100.0) for m in MODES]
 
     monkeypatch.setattr(peer, "Stack", Stack)
     monkeypatch.setattr(peer, "Process", Process)
@@ -220,7 +215,7 @@ def test_a_target_not_on_the_wanted_type_stops_the_run_before_measuring(tmp_path
     events = _Events()
     _fakes(monkeypatch, events, {"q4_k_m": "float32"})
     args = parse_args(["--target-quant", "q4_k_m", "--max-tokens", "4", "--no-llama-bench", "--no-warmup"])
-    with pytest.raises(peer.PeerError, match=r"computes float32 on native, not the GGUF Q4_K_M"):
+    with pytest.raises(PeerError, match=r"computes float32 on native, not the GGUF Q4_K_M"):
         measure_quant(args, _inputs(tmp_path), "q4_k_m", tmp_path / "t.gguf", bench_draft=False)
     assert ("measure", "q4_k_m") not in events.log and events.log[-1][0] == "close"
 

@@ -80,26 +80,6 @@ def test_the_stack_in_one_call_computes_what_its_calls_one_by_one_compute(tiny_m
         assert torch.equal(fused.session(sid).cache.kv[:, :, :, :n], calls.session(sid).cache.kv[:, :, :, :n])
 
 
-def test_a_build_without_the_one_call_stack_runs_the_kernels_one_by_one(tiny_models, tmp_path, native_linears):
-    """use_kernels moves every linear and kernel of a runner to another build; a build of a
-    kernels.c without sd_forward_decoder (an older one, as evaluation.batchcost --native-against
-    loads) runs the calls one by one, to the same bits. A runner off specdec.native refuses."""
-    from specdec.native import SOURCE, Kernels, build
-
-    source = tmp_path / "kernels.c"
-    source.write_text(SOURCE.read_text().replace("sd_forward_decoder", "sd_forward_elsewhere"))
-    older = Kernels(build(tmp_path, source))
-    assert not older.stacked
-    path = tiny_models["llama-target"]
-    current, swapped = _lm(path), _lm(path)
-    swapped.runner.use_kernels(older)
-    assert all(lin.native is older for lin in swapped.runner._linears())
-    got = [lm.extend(lm.session("s"), IDS[:12], IDS[12:17])[0] for lm in (current, swapped)]
-    assert torch.equal(*got)
-    with pytest.raises(ValueError, match="not on specdec.native"):
-        _lm(path, native=False).runner.use_kernels(older)
-
-
 def test_the_logits_buffer_is_reused_only_once_no_one_holds_the_last_logits(tiny_models, native_linears):
     lm = _lm(tiny_models["llama-target"])
     lm.runner.logits_out = OutputBuffer(floor=0)  # the tiny vocabulary's logits are far below the default floor

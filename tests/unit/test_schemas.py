@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.loop import GenerationStats
 from orchestrator.schemas import GenerateResponse, GenerationStatsOut
+from orchestrator.step_accounting import GenerationStats
 
 
 def test_stats_schema_names_every_figure_of_the_loop():
