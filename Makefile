@@ -4,7 +4,7 @@ VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-setup
 
-.PHONY: setup run test test-fast test-native-asan test-gpu test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout bench-rtt bench-peer clean-cache
+.PHONY: setup run test test-slow test-fast test-native-asan test-gpu test-reliability test-reliability-ci test-containers proto docs docker lint bench bench-load bench-scaleout bench-rtt bench-peer clean-cache
 
 setup: $(STAMP)
 
@@ -25,15 +25,20 @@ $(STAMP): pyproject.toml scripts/install_llamacpp.sh
 run: setup
 	$(PY) -m specdec.launch
 
-## The test suite (what CI runs), without the long reliability suite below. Two pytest-xdist workers
-## (SPECDEC_TEST_WORKERS; 0 runs in one process), a file per worker at a time: most of the time goes
-## to waiting on services, which two processes overlap (5.7 min here instead of 8.5).
+## The test suite, without the slow checks and the long reliability suite below. Two pytest-xdist
+## workers (SPECDEC_TEST_WORKERS; 0 runs in one process), a file per worker at a time: most of the
+## time goes to waiting on services, which two processes overlap.
 SPECDEC_TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -ra -n $(SPECDEC_TEST_WORKERS) --dist loadfile -m "not reliability and not containers"
+	$(PY) -m pytest -ra -n $(SPECDEC_TEST_WORKERS) --dist loadfile -m "not reliability and not containers and not slow"
+
+## The slow checks `make test` leaves out (every GGUF type verified against plain decoding, the
+## embedded target's long equality and sampling-law runs, kernel rebuilds, the benchmarks end to end).
+test-slow: setup
+	$(PY) -m pytest -ra -n $(SPECDEC_TEST_WORKERS) --dist loadfile -m "slow and not reliability and not containers"
 
 test-fast: setup
-	$(PY) -m pytest -ra -m "not embedded and not browser and not reliability and not containers"
+	$(PY) -m pytest -ra -m "not embedded and not browser and not reliability and not containers and not slow"
 
 ## On a machine with an NVIDIA GPU and a CUDA build of torch: the tests marked cuda (placement,
 ## varlen attention, the engines, speculative == plain on the embedded target in fp32 and bf16),

@@ -33,8 +33,9 @@ class DraftSettings(ModelServiceSettings):
     quant: Literal[QUANTS] = Field(  # type: ignore[valid-type]
         DEFAULT_QUANT,
         description="native and llamacpp backends: the GGUF type a converted model gets (not the shipped embedded file, nor a "
-                    ".gguf file given as model); q8_0 measured fastest end to end: lower types cost less per "
-                    "token but lose more acceptance than that saves (docs/benchmarks.md).",
+                    ".gguf file given as model); q8_0 is the fastest end to end: lower types cost less per "
+                    "token but lose more acceptance than that saves (docs/benchmarks.md, "
+                    '"The embedded target drafting for itself").',
     )
     target_model: str = Field(
         EMBEDDED, validation_alias=AliasChoices("target_model", "SPECDEC_DRAFT_TARGET_MODEL", "SPECDEC_TARGET_MODEL"),

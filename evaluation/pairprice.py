@@ -22,9 +22,9 @@ The projection prices a step drafting k tokens with the orchestrator's own cost 
 (``orchestrator.controller.CostModel``: the verify curve by rows and the per-token draft fit, fed
 with the measurements above), and takes the expected tokens per step at a per-token acceptance a
 as 1 + a + … + a^k (each draft token accepted independently with chance a): speedup(a) = max over
-k of tokens(k) / round_ms(k), against 1 token per plain step. RPC round trips (about 1 ms a step on
-loopback, docs/performance.md) are not in it; ``docs/benchmarks.md`` puts a projection for the
-embedded pair next to what ``evaluation.bench`` measures end to end.
+k of tokens(k) / round_ms(k), against 1 token per plain step. RPC round trips (a fixed cost per
+call even on loopback: docs/benchmarks.md, "Per-call overhead") are not in it; ``docs/benchmarks.md``
+puts a projection for the embedded pair next to what ``evaluation.bench`` measures end to end.
 """
 
 from __future__ import annotations

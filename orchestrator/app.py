@@ -89,7 +89,8 @@ class BodyLimit:
                                       close=True)
         # `"role"` can only stand in JSON as a key (inside a string a quote is escaped): a count of
         # them over the bound refuses a body of tens of thousands of messages before it is parsed
-        # (~100 ms of the event loop for a 1 MiB one), where the schema would say the same after
+        # (parsing a megabyte of them holds the event loop: docs/benchmarks.md, "Reliability
+        # suite"), where the schema would say the same after
         body = b"".join(chunks)
         if body.count(b'"role"') > MAX_MESSAGES:
             return await self._refuse(scope, send, 400, f"messages: more than {MAX_MESSAGES} messages",

@@ -107,10 +107,10 @@ class CostController(Controller):
     (accepted / (accepted + rejections), a step that accepted everything counting no rejection)
     is their prior. Acceptance is not geometric: a draft fails at a few hard tokens and runs long
     through easy text, and the confidence threshold cuts it where it is unsure, so a draft that
-    got to position 6 is accepted there far more often than alpha says. Measured on the embedded
-    pair (12 prompts): alpha ~0.81 priced the 7th and 8th draft tokens at a fifth of a token each,
-    and `cost` chose k ~6.4 for 4.86 tokens per step, where fixed k = 8 got 5.26 at the same
-    iteration cost.
+    got to position 6 is accepted there far more often than alpha says. Priced at alpha alone, the
+    late draft tokens look worth too little, and `cost` chooses shorter drafts than a long fixed k
+    that gets more tokens per step at the same iteration cost (docs/benchmarks.md, "The cost
+    controller").
 
     A step asking for k seldom pays for k draft tokens: the draft stops early after a token it is
     unsure of (the confidence threshold) or at EOS, and the target then verifies fewer rows. So the
@@ -122,8 +122,9 @@ class CostController(Controller):
     later so it notices when the text becomes predictable again, and twice as many plain steps
     after each probe that still leaves k = 0 the best (up to MAX_PROBE_GAP): a probe costs the
     draft's catch-up on every token it missed plus a verify of two rows, and where speculation
-    cannot pay at all (a quantised target whose step costs what a draft token does) probes every
-    8 steps cost 10-18 % of plain decoding's speed (docs/performance.md).
+    cannot pay at all (a quantised target whose step costs what a draft token does) probes at a
+    fixed gap cost a visible share of plain decoding's speed, hence the doubling
+    (docs/benchmarks.md, "The cost controller").
 
     Costs are properties of the deployment, not of the text, so the orchestrator passes one
     process-wide :class:`CostModel` to every request's controller. Acceptance depends on the text,
@@ -179,9 +180,9 @@ class CostController(Controller):
 
         Shrinking towards the previous position carries what the draft does at positions it
         often reaches to the ones it seldom reaches: a draft that got past its hard tokens is
-        accepted more, not less, further on (embedded pair: ~0.85 at position 1, 0.95+ from
-        position 4), so pricing the 12th-16th token at alpha made `cost` stop drafts short of
-        where they still paid (mean k 10.5 against fixed k = 16's better 13.5). Never below alpha:
+        accepted more, not less, further on, so pricing the late tokens of a long draft at alpha
+        made `cost` stop drafts short of where they still paid (docs/benchmarks.md, "The cost
+        controller"). Never below alpha:
         a position reached rarely would otherwise keep one unlucky rejection for many steps, and
         the controller would stop drafting that far, so never learn better; alpha already counts
         every rejection, wherever it fell."""

@@ -51,8 +51,8 @@ class CostCurve:
     read between sizes by linear interpolation and beyond them along the nearest segment (slope >= 0).
 
     A straight line fits a pass's cost badly once the kernel changes with the rows: the target runs
-    1-4 rows through MKL and 5 or more through oneDNN, whose cost grows far more slowly (embedded
-    target, 2 threads: 57 ms for 1 row, ~85 ms for 5, ~99 ms for 9). A line through those points
+    1-4 rows through MKL and 5 or more through oneDNN, whose cost starts higher but grows far more
+    slowly (docs/benchmarks.md, "Verify cost by kernel"). A line through those points
     prices every extra draft token at the steep 1-to-5-row slope and picks too short drafts.
     """
 

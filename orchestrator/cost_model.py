@@ -72,7 +72,8 @@ class CostModel:
     def speculation_allowed(self, load: Load = ALONE) -> bool:
         """False while the draft shares the target's host and more than ``shared_host_max_streams``
         generations are in progress: there the draft's compute is the target's, and batched plain
-        decoding (nearly free extra rows) beats speculation (see docs/batching.md for the measurement)."""
+        decoding (nearly free extra rows) beats speculation (docs/benchmarks.md, "Continuous
+        batching")."""
         limit = self.shared_host_max_streams
         return not (load.topology.draft_shares_target() and limit and load.streams > limit)
 
@@ -136,7 +137,7 @@ class CostModel:
 
     def verify_ms(self, k: float) -> float | None:
         """Expected wall ms of a Verify of k draft tokens (k may be an expected, fractional count)."""
-        # until two row counts have been seen: each extra row costs 10 % of a one-row pass
+        # until two row counts have been seen, assume each extra row costs 10 % of a one-row pass
         return self.verify.predict(self.verify_sessions * (k + 1), 0.1)
 
     def draft_ms(self, k: float) -> float | None:

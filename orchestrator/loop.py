@@ -125,8 +125,9 @@ class SpeculativeRequest:
 
     def overlap_now(self) -> bool:
         """auto (None): overlapped for a lone request whose draft computes on another host. On a
-        shared host the overlapped verify gives up cores to the draft and measured slower than
-        alternating since verify costs about one plain step (docs/performance.md)."""
+        shared host the overlapped verify gives up cores to the draft, and since a verify costs
+        about one plain step, alternating is faster there (docs/benchmarks.md, "Overlap on shared
+        cores")."""
         return self.can_overlap and (self.params.overlap is True
                                      or (self.in_progress() <= 1 and not self.limits.draft_shares_host))
 
@@ -154,11 +155,12 @@ class SpeculativeRequest:
           the k schedule; greedy output never does);
         - a draft on the target's host catches up before this step's Propose (:meth:`prefill_draft`),
           after the prompt's own pass (greedy: its first step is plain, alone: beside the draft's
-          prefill on the same cores the first token came 3-4x later than plain decoding's,
-          docs/performance.md). In the background there, plain steps and the prefill share the
-          cores: a 2,100-token prompt's catch-up took 9 calls over most of a 96-token answer, which
-          then drafted 3 tokens; waited for, with the cores, it takes ~2 s and the answer drafts
-          as a short prompt's does;
+          prefill on the same cores the first token comes several times later than plain
+          decoding's, docs/benchmarks.md, "The first token"). In the background there, plain steps
+          and the prefill share the cores: a long prompt's catch-up stretches over most of the
+          answer, which then drafts little; waited for, with the cores to itself, it is done
+          before the first Propose and the answer drafts as a short prompt's does
+          (docs/benchmarks.md, "Continuous batching");
         - a sampled request on another host catches up before its Propose too."""
         p, limits = self.params, self.limits
         if self.controller.probing:

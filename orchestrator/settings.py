@@ -60,14 +60,15 @@ class OrchestratorSettings(BaseSettings):
         "auto", description="Overlapped speculation for greedy requests that do not choose (the draft drafts the next "
                             "block while the target verifies this one): on, off, or auto — while a request is the only "
                             "one in progress here and the draft computes on another host than the target (on a "
-                            "shared host alternating measured faster: docs/performance.md)."
+                            "shared host alternating is faster: docs/benchmarks.md, "
+                            '"Overlap on shared cores").'
     )
     shared_host_max_streams: int = Field(
         1, ge=0,
         description="When the draft computes on the target's host, the cost controller drafts only while at most this "
                     "many generations are in progress here, and decodes plainly beyond (on 2 shared cores every k > 0 "
-                    "measured slower than plain decoding from 2 streams on: docs/batching.md); 0: no limit, the cost "
-                    "model alone decides.",
+                    'loses to plain decoding from 2 streams on: docs/benchmarks.md, "Continuous batching"); 0: no '
+                    "limit, the cost model alone decides.",
     )
     default_max_tokens: int = Field(
         128, ge=1, description="max_tokens when a /v1/generate request gives none (completions default to OpenAI's 16; "

@@ -6,7 +6,7 @@
 #
 # The default build (GGML_NATIVE) segfaults on its first eval on these machines: its AMX code
 # paths are the culprit. We disable native detection and AMX, and enable AVX-512 only where the
-# CPU has it (measured ~5 % faster than AVX2 there; see docs/performance.md). The wheel is cached
+# CPU has it (faster than AVX2 there: docs/benchmarks.md, "llama.cpp build"). The wheel is cached
 # under ~/.cache/specdec/wheels keyed by the flags, so a rebuild happens only when they change;
 # pip itself never reuses a wheel built with other flags (--no-cache-dir).
 #

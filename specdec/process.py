@@ -13,8 +13,8 @@ logger = logging.getLogger(__name__)
 # and the draft alternate on the same cores: after a Verify, a long spin keeps both cores busy while
 # the draft drafts; much shorter spins slow the target's forward. Passive waiting
 # (OMP_WAIT_POLICY=PASSIVE) is worse still for both: llama.cpp's threads, which libgomp also serves,
-# meet at a barrier after every op and then sleep at each one (docs/performance.md, "Threads and
-# processes", has the measurements).
+# meet at a barrier after every op and then sleep at each one (docs/benchmarks.md, "Threads and
+# processes"; the reasoning: docs/performance.md, "Threads and processes").
 SPIN_COUNT = 20_000
 
 # glibc malloc: blocks of at least this many bytes are mapped on their own and unmapped when freed.
@@ -28,8 +28,9 @@ SPIN_COUNT = 20_000
 MMAP_THRESHOLD = 1 << 20
 # With the mmap threshold fixed, glibc gives the heap's free top back to the system whenever it
 # exceeds 128 KiB (M_TRIM_THRESHOLD's default), and the next temporaries fault it in again page by
-# page: a sampling verify's per-row top-k / top-p sorts fault thousands of pages (docs/performance.md,
-# "Megabytes mapped a step"). Up to this much free top stays (a bound, not growth).
+# page: a sampling verify's per-row top-k / top-p sorts would fault their pages in afresh every
+# pass (docs/benchmarks.md, "Logits memory and sampling transforms"). Up to this much free top
+# stays (a bound, not growth).
 # MALLOC_TRIM_THRESHOLD_ in the environment wins.
 TRIM_THRESHOLD = 16 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
@@ -59,7 +60,8 @@ def bound_openmp_spin() -> None:
     unless the environment says otherwise). libgomp reads it when torch is first imported, so a
     service whose start-up may import torch before :func:`configure_torch` (the draft's ``auto``
     backend choice builds specdec.native) calls this first. Unbounded, an idle draft's threads
-    spin after every Propose on the cores the target's Verify is using (docs/performance.md)."""
+    spin after every Propose on the cores the target's Verify is using (docs/benchmarks.md, "The
+    native draft backend")."""
     if "torch" not in sys.modules:
         os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
 

@@ -45,8 +45,9 @@ class TargetSettings(ModelServiceSettings):
     pack_weights: bool = Field(
         True, description="Pack the fp32 linear weights once, at load, for oneDNN: a verify of up to ~9 rows then costs "
                           "about one plain step, and a row computes the same whatever rows share its pass. The packed "
-                          "copy is new memory (the embedded target: +0.53 GB); the row-major weights are then "
-                          "no longer read; false keeps the stock kernels (docs/performance.md)."
+                          "copy is new memory, as large as the fp32 linear weights themselves; the row-major weights "
+                          "are then no longer read; false keeps the stock kernels "
+                          '(docs/benchmarks.md, "Verify cost by kernel").'
     )
     runner: Literal["auto", "transformers"] = Field(
         "auto", description="auto: specdec's own forward pass for Llama and GPT-2 models on packed weights (one fused op "

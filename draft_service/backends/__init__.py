@@ -51,8 +51,8 @@ def native_unavailable(settings: DraftSettings) -> str | None:
     llamacpp): the draft's GGUF must be a Llama or GPT-2 file quantised to types specdec.native
     computes, and this CPU must run its vector kernels for them (AVX2, or AVX-512 VNNI for Q4_1 and
     Q8_0; the portable kernel is correct but far slower than llama.cpp). With those kernels a
-    draft token costs less native than through llama.cpp (docs/performance.md, "A draft on
-    specdec's kernels")."""
+    draft token costs less native than through llama.cpp (docs/benchmarks.md, "The native draft
+    backend")."""
     from specdec.model.gguf_convert import draft_gguf
     from specdec.model.gguf_file import GGUFFile
     from specdec.model.gguf_model import FLOAT_TYPES, file_type, unsupported

@@ -10,9 +10,10 @@ earlier in it, what followed them there is decoded as a guess in the same pass a
 token, with logits for every guessed row. The draft then picks its tokens exactly as it would one
 pass at a time, and keeps reading the guessed rows while its own token equals the guess: each
 guessed token it would have drafted itself costs a row of a batched pass instead of a pass of its
-own (a pass of 9 rows costs ~4 single ones here). The first wrong guess ends it, and its rows
-leave the cache. A guess starts at 2 tokens and doubles while it is taken whole, so text that does
-not repeat pays at most a 2-row guess per pass when a spurious match turns up. The draft proposed
+own (a pass of several rows costs far less than as many single passes: docs/benchmarks.md,
+"Lookup guesses in the draft"). The first wrong guess ends it, and its rows leave the cache. A
+guess starts at 2 tokens and doubles while it is taken whole, so text that does not repeat pays at
+most a 2-row guess per pass when a spurious match turns up. The draft proposed
 is the one drafting one pass at a time gives, up to llama.cpp's rounding in batched passes (which
 the target's verification makes harmless).
 """

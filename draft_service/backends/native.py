@@ -4,8 +4,8 @@ The same file the llamacpp backend runs (the embedded Q4_1 draft, or any model c
 loaded by specdec.model.gguf_model: its linears compute on the file's quantised blocks with AVX2 (AVX-512
 VNNI for Q4_1 and Q8_0 where the CPU has it; specdec.native), everything else on the runner the
 target uses, sessions on the engine's KV buffers; a draft token costs less than through llama.cpp
-on the machines measured (docs/performance.md, "A draft on specdec's kernels"). Planning, prefix
-reuse, crop and eviction are the transformers backend's, since the engine is the same.
+on the machines measured (docs/benchmarks.md, "The native draft backend"). Planning, prefix reuse,
+crop and eviction are the transformers backend's, since the engine is the same.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ class ComputeThread:
     """Runs model compute on the thread that created it (the process's main thread).
 
     torch forward passes issued from gRPC worker threads ran several times slower than the same
-    calls on the thread that loaded the model (docs/performance.md, "Threads and processes"), so
+    calls on the thread that loaded the model (docs/benchmarks.md, "Threads and processes"), so
     servicers hand compute to :meth:`run` / :meth:`submit`, and the main thread executes it in
     :meth:`serve`. Calls made on the owner thread itself (tests, tools) run inline.
     """

@@ -20,7 +20,8 @@ from specdec.native import kernels
 logger = logging.getLogger(__name__)
 
 # Without packed weights, passes above this many rows (long prefills) use the stock kernel; packed
-# weights serve every pass (faster than stock at any row count: docs/performance.md).
+# weights serve every pass (faster than stock at any row count: docs/benchmarks.md, "Verify cost
+# by kernel").
 FAST_LINEAR_MAX_ROWS = 64
 # Without prepacked weights (see FastLinears): from this many rows on, oneDNN's inner product on
 # the row-major weight beats MKL's ``(W @ x.T).T``; fewer rows read the weights faster through MKL.
@@ -93,14 +94,15 @@ class FastLinears:
     default), each fp32 weight is packed once, at load, into its panels of 16 output columns and
     every call runs its C kernel: it streams the weights at memory speed from one row up, sums
     every output in one fixed order whatever the other rows (so a verify computes bit for bit what
-    plain steps would), and costs ~3 µs a call where oneDNN's costs ~10 (docs/performance.md, "The
-    target step at the floor"). Otherwise, as follows. Stock ``F.linear`` grows steeply with the rows (MKL takes a
-    slow path for 2..~10 rows of ``x @ W.T``) and oneDNN on the row-major weight re-blocks it on
-    every call. So each fp32 weight is packed once, at load, into oneDNN's blocked layout
-    (``kernel = "packed"``): all of the embedded target's linears then cost about the same for 1 to
-    9 rows (~35-40 ms on 2 cores, against 57 ms for one row and 63-87 ms for nine through the stock
-    kernels), and a row's sums do not depend on the other rows of the pass, so a verify computes
-    bit for bit what plain steps would. The row-major weight is then freed and the packed one serves
+    plain steps would), and its call overhead is a fraction of oneDNN's (docs/benchmarks.md, "The
+    runner on specdec.native: cost by rows"; docs/performance.md, "The target step at the floor").
+    Otherwise, as follows. Stock ``F.linear`` grows steeply with the rows (MKL takes a slow path
+    for 2..~10 rows of ``x @ W.T``) and oneDNN on the row-major weight re-blocks it on every call.
+    So each fp32 weight is packed once, at load, into oneDNN's blocked layout (``kernel =
+    "packed"``): all of the embedded target's linears then cost about the same for 1 to 9 rows,
+    less than one row through the stock kernels (docs/benchmarks.md, "Verify cost by kernel"), and
+    a row's sums do not depend on the other rows of the pass, so a verify computes bit for bit what
+    plain steps would. The row-major weight is then freed and the packed one serves
     every call of that layer, inside :meth:`active` or not; a weight other modules share (an lm_head
     tied to the input embeddings) stays, so that one costs its size again.
 
@@ -153,7 +155,8 @@ class FastLinears:
         if (self.native is not None and self.native.isa != "avx512" and _onednn_pack() is not None
                 and os.environ.get(NATIVE_LINEARS_ENV, "auto") != "on"):
             # without AVX-512 the native kernel streams a lone row as fast, but computes several
-            # rows slower than oneDNN (docs/performance.md): oneDNN's packed linears then
+            # rows slower than oneDNN (docs/benchmarks.md, "The runner on specdec.native: cost by
+            # rows"): oneDNN's packed linears then serve every pass
             logger.info("linears on oneDNN's packed kernel: specdec.native's runs %s here, not AVX-512",
                         self.native.isa)
             self.native = None
@@ -215,8 +218,9 @@ class FastLinears:
         v projections; its gate and up projections, see specdec.model.runner.fused_groups) share one
         packed weight when their inputs, biases, dtypes and storage (fp32, or GGUF blocks in
         ``quant``: of one type, or of several where every member but the last has a multiple of
-        16 outputs) agree, every other layer packs alone. One pass over a fused weight streams it
-        once: the embedded target's 211 linears cost ~8 % less as 121 (docs/performance.md)."""
+        16 outputs) agree, every other layer packs alone. A fused group is one call whose pass
+        streams each weight once for all its rows, where its members apart would be a call each
+        (docs/performance.md, "The target step at the floor")."""
         groups, grouped = [], set()
         for members in fused_groups(model):
             ws = [weights.get(id(m)) for m in members]

@@ -37,15 +37,16 @@ from specdec.native import Kernels, Layer, kernels
 
 logger = logging.getLogger(__name__)
 
-# Packed passes of fewer rows are padded to this many: oneDNN's packed kernel ran a whole plain
-# step of 1 row 1-7 % slower, and of 2 rows 7-14 % slower, than the same step padded to 4 (embedded
-# target, 2 threads, medians of 15-25 interleaved steps); a row's sums do not change.
+# Packed passes of fewer rows are padded to this many: oneDNN's packed kernel runs a whole plain
+# step of 1 or 2 rows slower than the same step padded to 4 (docs/benchmarks.md, "The runner on
+# specdec.native: cost by rows"); a row's sums do not change.
 PACK_PAD_ROWS = 4
 # Passes of more rows than this are padded up to one of 8 sizes per doubling (at most 12.5 % more
 # rows; the prefills of long prompts and large batched passes). oneDNN and torch's ideep layer each
-# keep an LRU cache of up to 1,024 kernels, one per input shape and weight shape (~0.3 MB each,
-# measured), so a server that saw every row count would fill ~0.6 GB of them; with the sizes
-# bucketed, at most ~110 row counts below 4,096 rows ever occur.
+# keep an LRU cache of up to 1,024 kernels, one per input shape and weight shape, so a server that
+# saw every row count would fill both with kernels it seldom reuses (docs/performance.md, "Memory
+# under mixed traffic"); with the sizes bucketed, at most ~110 row counts below 4,096 rows ever
+# occur.
 PACK_EXACT_ROWS = 64
 
 
@@ -91,12 +92,12 @@ class OutputBuffer:
 
     glibc maps each block of at least ``specdec.process.MMAP_THRESHOLD`` bytes on its own and
     unmaps it when freed (see there), so a fresh [rows, vocab] fp32 tensor per pass (3.3 MB for a
-    17-row verify of the embedded target) was mapped, faulted in page by page from inside the
-    lm_head's parallel loop, and unmapped again: 7.6 against 2.6 ms for that lm_head, a quarter of
-    the whole verify (docs/performance.md). The buffer is reused only while nothing else holds it
-    (the storage's use count: a caller may keep a pass's logits, or views of them, as long as it
-    likes; the next pass then takes a new buffer). Outputs below ``floor`` bytes, which the heap
-    serves anyway, and above ``cap`` bytes are allocated fresh.
+    17-row verify of the embedded target) would be mapped, faulted in page by page from inside the
+    lm_head's parallel loop, and unmapped again, which makes that lm_head several times dearer
+    (docs/benchmarks.md, "Logits memory and sampling transforms"). The buffer is reused only while
+    nothing else holds it (the storage's use count: a caller may keep a pass's logits, or views of
+    them, as long as it likes; the next pass then takes a new buffer). Outputs below ``floor``
+    bytes, which the heap serves anyway, and above ``cap`` bytes are allocated fresh.
     """
 
     def __init__(self, floor: int = 256 << 10, cap: int = 64 << 20) -> None:

@@ -18,8 +18,8 @@
  *   M > COLUMNS_MAX (prefills, large batches): tiles of 6 rows x 4 panels (24 accumulators),
  *     every weight read serving 6 rows; the first row tile streams the group from memory, the
  *     later ones find it in L2 and meanwhile prefetch the next group, so memory keeps streaming.
- * What each choice measured against the others: docs/performance.md, "The target step at the
- * floor".
+ * Why: docs/performance.md, "The target step at the floor"; what each choice measured against the
+ * others: docs/benchmarks.md, "The 17-row verify".
  */
 #include "common.h"
 #include "kernels.h"
@@ -163,7 +163,8 @@ INLINE void column16(const linear_args *a, int64_t m0, int64_t p, const int rows
  * COLUMNS_MAX rows of the widest k; OpenMP's threads and the callers' live as long as the
  * process); NULL when it cannot grow. One row is its own transpose: x itself. Each thread
  * transposes the whole of x for itself: no barrier, and no lines written by the other core
- * (against halves and a barrier: docs/performance.md, "x transposed for the column passes"). */
+ * (measured against halves and a barrier: docs/benchmarks.md, "x transposed for the column
+ * passes"). */
 static const float *transposed_rows(const float *x, int64_t m, int64_t k) {
     static __thread float *buf = NULL;
     static __thread int64_t cap = 0;

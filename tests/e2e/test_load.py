@@ -124,6 +124,7 @@ def test_arguments():
 # ---- a real run on tiny models -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_load_benchmark_end_to_end_on_tiny_models(tmp_path, tiny_models):
     """The benchmark starts the stack itself (on tiny models) and runs the closed loop at N = 1, 2
     and the open loop at one rate, a few seconds each; the outputs hold sane numbers."""

@@ -169,6 +169,7 @@ def test_namespace_needs_root_and_fits_interface_names(monkeypatch):
 # ---- a real run ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_rtt_benchmark_end_to_end_on_tiny_models(tmp_path, monkeypatch):
     """Tiny models, RTT 0 and 20 ms, one prompt, 64 tokens: the proxy adds the round trip it should,
     every speculative mode matches autoregressive decoding, and the namespace is gone afterwards.

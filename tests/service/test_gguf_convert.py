@@ -32,6 +32,7 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("gguf-cache")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("quant", ["f16", "q8_0"])
 def test_conversion_keeps_the_tokenizer(bpe_models, cache, arch, quant):
@@ -102,6 +103,7 @@ def test_second_start_reuses_the_cache(bpe_models, cache, monkeypatch):
         ensure_gguf(str(other), "q8_0", cache)
 
 
+@pytest.mark.slow
 def test_quantised_types_go_through_llamas_quantiser(bpe_models, cache):
     """q4_0 is not a type the converter writes: f32 first, then llama_model_quantize; the f32
     intermediate does not stay behind, and the time it took is recorded beside the file."""
@@ -205,6 +207,7 @@ def test_draft_settings_name_the_target(monkeypatch):
         DraftSettings(quant="q3_x")
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
 def test_self_speculation_stack_keeps_the_output(tmp_path):
     """The whole stack with SPECDEC_DRAFT_MODEL=target: the embedded target's own fp32 weights,

@@ -595,6 +595,7 @@ async def test_a_draft_with_a_larger_vocabulary_is_refused():
     assert "vocabulary" in rt.not_ready and "50000" in rt.not_ready
 
 
+@pytest.mark.slow
 def test_orchestrator_prompt_over_the_target_kv_budget_is_400(tmp_path, tiny_models):
     """A prompt the target's KV budget cannot hold used to fail with 503, as if the server broke."""
     from tests.support import start_model_service, start_orchestrator

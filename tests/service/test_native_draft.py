@@ -59,6 +59,7 @@ def _fields_of(reader) -> dict[str, object]:
     return fields
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["embedded", "gpt2-q8_0", "llama-f16"])
 def test_the_reader_reads_what_the_gguf_package_reads(ggufs, which):
     from gguf import GGUFReader
@@ -197,6 +198,7 @@ def test_auto_takes_native_where_it_applies_and_says_why_not(ggufs):
     assert resolve_backend(gpu) == "llamacpp" and "GPU" in native_unavailable(gpu)
 
 
+@pytest.mark.slow
 def test_auto_without_vector_kernels_runs_llama_cpp(tmp_path):
     """A CPU without AVX2 (capped here by SPECDEC_NATIVE_ISA) gets the llama.cpp draft; one with
     AVX2 but no VNNI (capped at avx2) gets the native one."""

@@ -326,6 +326,7 @@ def _failovers(url: str, service: str, reason: str) -> float:
     return 0.0
 
 
+@pytest.mark.slow
 def test_target_replica_killed_mid_stream_keeps_the_stream(tmp_path, embedded_stack):
     """Two target replicas: each stream is pinned to one; killing it mid-stream moves the stream to
     the other (one re-prefill), with the same output as plain decoding and no error."""

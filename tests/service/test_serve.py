@@ -36,6 +36,7 @@ def test_flags_become_settings_and_win_over_the_environment():
         parser().parse_args(["serve", "m", "--quantization", "q3_x"])
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
 def test_serve_serves_the_openai_api(tmp_path):
     port = free_port()

@@ -47,6 +47,7 @@ def _flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_a_build_records_its_hash_and_is_reused_unchanged(built):
     """The sidecar holds the library's SHA-256 as sha256sum writes it; a second call loads the
     same file (same inode and mtime), no rebuild."""
@@ -58,6 +59,7 @@ def test_a_build_records_its_hash_and_is_reused_unchanged(built):
     assert before.st_mode & 0o022 == 0 and _record(built).stat().st_mode & 0o022 == 0
 
 
+@pytest.mark.slow
 def test_a_tampered_library_is_rebuilt_not_loaded(library, caplog):
     _flip_a_byte(library)
     tampered = library.stat().st_ino
@@ -69,6 +71,7 @@ def test_a_tampered_library_is_rebuilt_not_loaded(library, caplog):
     assert Kernels(library).isa in ("avx512", "avx2", "baseline")
 
 
+@pytest.mark.slow
 def test_a_library_without_its_record_is_rebuilt(library, caplog):
     """No sidecar: the file is not re-hashed and trusted (whoever removed the record may have
     replaced the file), it is built again, with a new record."""
@@ -92,6 +95,7 @@ def test_a_library_others_could_write_is_refused(library, caplog, monkeypatch):
                for r in caplog.records)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 def test_a_library_owned_by_another_user_is_refused(library):
     library.chmod(0o755)
@@ -105,6 +109,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_bpe_model(tmp_path_factory.mktemp("bpe") / "gpt2", "gpt2")
 
 
+@pytest.mark.slow
 def test_a_tampered_gguf_is_converted_again(tiny_model, tmp_path, caplog):
     """A real conversion (~5 s) records its hash; an untouched file is reused as is; a flipped
     byte, or a missing record, converts again into a file that matches its record."""

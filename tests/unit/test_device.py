@@ -346,6 +346,7 @@ def test_the_llamacpp_draft_reports_where_it_computes(monkeypatch, caplog):
     assert draft(12) == "cuda" and asked[-1] == 12
 
 
+@pytest.mark.slow
 def test_the_install_script_adds_the_cuda_backend_on_request(tmp_path):
     """scripts/install_llamacpp.sh with SPECDEC_LLAMACPP_CUDA=1 builds with -DGGML_CUDA=on, into a
     wheel cache of its own (a CPU wheel built before is not taken for it). The Python it is given

@@ -428,6 +428,7 @@ def test_hf_generate_ignores_eos_like_specdec(tiny_models):
     assert got == seq[len(ids):]
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
 def test_batchcost_measures_both_engines(tmp_path):
     """``python -m evaluation.batchcost`` on the embedded pair: a row per batch size, positive
@@ -447,6 +448,7 @@ def test_batchcost_measures_both_engines(tmp_path):
     assert "B×2 / B×1" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
 def test_batchcost_times_another_build_of_the_kernels_against_this_one(tmp_path, native_linears):
     """``--native-against old.c`` builds that kernels.c and times the runner on it interleaved
@@ -470,6 +472,7 @@ def test_batchcost_times_another_build_of_the_kernels_against_this_one(tmp_path,
         batchcost.main([*argv[:-4], "--native-against", str(broken), "--out", str(tmp_path / "out2")])
 
 
+@pytest.mark.slow
 def test_a_copy_loaded_on_another_build_packs_and_runs_on_it(tiny_models, tmp_path, native_linears):
     """What ``--native-against`` times: a copy of the model loaded inside batchcost.built_on(build)
     has every linear and the runner's own kernels on that build; a build of a kernels.c without

@@ -97,6 +97,7 @@ def test_verification_equals_plain_decoding_on_300_prompts(tiny_models, arch):
     check(engine, prompts=300, n=32, max_prompt=40, seed={"llama": 1, "gpt2": 2}[arch])
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
 def test_verification_equals_plain_decoding_on_the_embedded_target(embedded_target):
     engine = TargetEngine(embedded_target, SessionStore(16, 1 << 30, 0), max_draft_tokens=MAX_K)

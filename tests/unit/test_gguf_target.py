@@ -26,6 +26,7 @@ def gguf_engine(path, max_draft_tokens: int = MAX_K) -> TargetEngine:
                         max_draft_tokens=max_draft_tokens, gguf=gguf)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", GGUF_TARGET_TYPES)
 def test_verification_equals_plain_decoding_on_every_type(tiny_ggufs, quant):
     """200 random prompts, drafts of 1-16 tokens spoiled at random places, sessions sharing passes:
@@ -38,6 +39,7 @@ def test_verification_equals_plain_decoding_on_every_type(tiny_ggufs, quant):
     check(engine, prompts=200, n=24, max_prompt=40, seed=11)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
 def test_a_gpt2_file_verifies_exactly_too(tiny_ggufs, quant):
     engine = gguf_engine(tiny_ggufs[f"gpt2-{quant}"])
@@ -92,6 +94,7 @@ def test_the_target_setting_takes_a_file_or_a_quantisation(tiny_ggufs, tmp_path)
         TargetEngine.from_settings(TargetSettings(model=str(path), runner="transformers"))
 
 
+@pytest.mark.slow
 @pytest.mark.embedded
 @pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
 def test_verification_equals_plain_decoding_on_the_embedded_model(quant):

@@ -119,6 +119,7 @@ def test_speculative_greedy_under_a_grammar_equals_plain_greedy_under_it(engines
     assert free != plain
 
 
+@pytest.mark.slow
 def test_speculative_sampling_under_a_grammar_keeps_the_targets_masked_law(engines, tok):
     """Chi-square over 300 seeded requests: the first token under speculation is distributed as the
     target's masked, renormalised distribution p' (not the draft's q', nor the unmasked p)."""

@@ -159,6 +159,7 @@ def test_a_row_after_a_huge_score_gap_stays_finite(native):
     assert torch.allclose(out[0], segments[0].kv.kv[0, 1, 0, 0], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_build_reuses_its_library_and_rebuilds_for_a_changed_source(tmp_path, monkeypatch):
     umask = os.umask(0o022)  # a build's usual umask (the image's)
     try:

@@ -84,6 +84,7 @@ def test_greedy_speculation_with_a_control_equals_plain_decoding_with_it(bpe_eng
         assert free[0] not in plain and free[1] not in plain
 
 
+@pytest.mark.slow
 def test_sampling_with_every_control_keeps_the_targets_processed_law(bpe_engines):
     """Chi-square over 300 seeded requests of the first two tokens (top-k 3: at most 9 pairs) against
     the target's own processed rows, each with its history: the second position's penalties count the
