@@ -14,7 +14,7 @@ import pytest
 from tests.e2e.lb import RoundRobinBalancer
 from tests.support import APP, PROMPTS, gen, iter_sse, messages, metrics, start_orchestrator, stream_html, submit
 
-pytestmark = pytest.mark.embedded
+pytestmark = [pytest.mark.embedded, pytest.mark.slow]
 
 MAX_TOKENS = 12
 

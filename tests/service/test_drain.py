@@ -14,7 +14,7 @@ import pytest
 
 from tests.support import free_port, iter_sse, start_model_service, start_orchestrator, wait_until
 
-pytestmark = pytest.mark.embedded
+pytestmark = [pytest.mark.embedded, pytest.mark.slow]
 
 DRAIN_S = 6.0
 

@@ -243,6 +243,7 @@ def test_the_native_service_refuses_an_uncovered_model_with_a_clear_exit(tmp_pat
     assert "cannot start the draft service" in log and "architecture 'falcon'" in log and "Traceback" not in log, log
 
 
+@pytest.mark.slow
 def test_the_draft_service_bounds_its_openmp_spin_before_choosing_a_backend(tmp_path):
     """``auto`` builds specdec.native (importing torch) before torch's threads are configured; the
     OpenMP spin bound must already be in place then, or the idle draft's threads spin on the cores

@@ -60,6 +60,7 @@ def test_every_controller_keeps_the_output(embedded_stack, controller):
     assert max(ks) <= 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("controller", ["fixed", "cost"])
 def test_overlapped_speculation_keeps_the_output(embedded_stack, controller):
     """The draft drafts the next block while the target verifies this one: same tokens as plain
