@@ -307,9 +307,11 @@ class Planned:
     cached: int
     end: int
     logits: int
+    guess: list[int] = field(default_factory=list)  # tokens decoded ahead by lookup (llama.cpp backend)
 
     def request(self) -> ForwardRequest:
-        return ForwardRequest(self.session, self.sequence[:self.end], self.logits)
+        tokens = self.sequence if self.end == len(self.sequence) else self.sequence[:self.end]
+        return ForwardRequest(self.session, tokens, self.logits)
 
 
 @dataclass
@@ -333,8 +335,9 @@ def plan_drafts(jobs: list[ProposeJob], kv: KVManager, budget: Budget, max_conte
     session was released since the call was made gets Cancelled; one the store has no room for
     this step (every session taken by it) waits for the next."""
     seen: set[str] = set()
+    taken: set[str] = set()  # sessions this step computes for
     outcomes: list = [PENDING] * len(jobs)
-    sessions: dict[int, Session] = {}
+    sessions: dict[int, tuple[Session, list[int], int]] = {}  # job index -> (session, sequence, cached)
     needs: list[Need] = []
     for i, job in enumerate(jobs):
         if job.session_id in seen:
@@ -344,21 +347,19 @@ def plan_drafts(jobs: list[ProposeJob], kv: KVManager, budget: Budget, max_conte
             outcomes[i] = job.proposal()
             continue
         try:
-            session = kv.session(job.session_id, job.issued, keep={s.session_id for s in sessions.values()})
+            session = kv.session(job.session_id, job.issued, keep=taken)
         except (Cancelled, ResourceExhausted) as exc:  # released since the call was made; no slot
             outcomes[i] = exc
             continue
         except SessionsFull:  # never evicting a session of this step: the next step
             continue
-        sessions[i] = session
+        taken.add(job.session_id)
         sequence = job.tokens + job.drafted
-        needs.append(Need(i, kv.reusable(session, sequence, 1), len(sequence), 1, alone=not job.sampling.greedy))
+        sessions[i] = (session, sequence, kv.reusable(session, sequence, 1))
+        needs.append(Need(i, sessions[i][2], len(sequence), 1, alone=not job.sampling.greedy))
     step = plan(needs, budget)
-    cached = {n.index: n.cached for n in needs}
 
     def planned(slot: Slot) -> Planned:
-        job = jobs[slot.index]
-        return Planned(slot.index, sessions[slot.index], job.tokens + job.drafted, cached[slot.index], slot.end,
-                       slot.logits)
+        return Planned(slot.index, *sessions[slot.index], slot.end, slot.logits)
 
     return DraftPlan([planned(s) for s in step.shared], [planned(s) for s in step.alone], outcomes)

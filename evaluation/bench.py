@@ -225,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "modes": names, "summary": summary, "draft_positions": positions, "mismatches": measured["mismatches"],
         "runs": measured["runs"],
     }
-    report.write_results(out, results)
-    plots = write_plots(results, out)
-    (out / "results.md").write_text(render_markdown(results, plots))
+    report.write_report(out, results, render_markdown(results, write_plots(results, out)))
     logger.info("done in %.0f s: %s", elapsed_s, out)
     print(report.render_tables(summary))
     print(render_positions(positions))

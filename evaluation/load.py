@@ -359,9 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                      "requests_per_client": args.requests, "warmup_s": args.warmup, "modes": args.modes},
         "mismatches": measured["mismatches"], "references": measured["references"], "runs": measured["runs"],
     }
-    report.write_results(out, results)
     plot = plot_throughput_latency(results["runs"], out / "throughput_vs_itl.png")
-    (out / "results.md").write_text(render_markdown(results, plot.name if plot else None))
+    report.write_report(out, results, render_markdown(results, plot.name if plot else None))
     logger.info("done in %.0f s: %s", results["duration_s"], out)
     print(render_tables(results["runs"]))
     return 0

@@ -19,7 +19,7 @@ target file, and its one-token step of each llamacpp draft's file, both after ``
 tokens of depth (``-d``), fed to the same cost model.
 
 The projection prices a step drafting k tokens with the orchestrator's own cost model
-(``orchestrator.controller.CostModel``: the verify curve by rows and the per-token draft fit, fed
+(``orchestrator.cost_model.CostModel``: the verify curve by rows and the per-token draft fit, fed
 with the measurements above), and takes the expected tokens per step at a per-token acceptance a
 as 1 + a + … + a^k (each draft token accepted independently with chance a): speedup(a) = max over
 k of tokens(k) / round_ms(k), against 1 token per plain step. RPC round trips (a fixed cost per
@@ -167,7 +167,7 @@ def llama_bench_costs(llama_dir: Path, model: Path, rows: list[int] | None, cont
 def projected_speedup(verify_ms: dict[int, float], draft_token_ms: float, acceptance: float, max_k: int
                       ) -> tuple[float, int]:
     """(speedup over plain decoding, best k) for a lone stream, priced by the orchestrator's cost model."""
-    from orchestrator.controller import CostModel
+    from orchestrator.cost_model import CostModel
 
     costs = CostModel()
     for _ in range(3):  # fitted as the services report them, a few of each

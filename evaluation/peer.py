@@ -368,7 +368,8 @@ def measure_quant(args: argparse.Namespace, inputs: Inputs, quant: str, target_g
                                     draft=inputs.draft_gguf, draft_max=args.draft_max, draft_min=args.draft_min,
                                     draft_p_min=args.draft_p_min)
     env = target_env(quant)
-    measured, services = _serve_and_measure(args, log_dir, plain_cmd, spec_cmd, quant, inputs.prompts, inputs.prompt_ids)
+    measured, services = _serve_and_measure(args, log_dir, plain_cmd, spec_cmd, quant, env, inputs.prompts,
+                                            inputs.prompt_ids)
     runs = [{"target_quant": quant, **r} for r in measured]
 
     mismatches = find_mismatches(runs)
@@ -386,9 +387,10 @@ def measure_quant(args: argparse.Namespace, inputs: Inputs, quant: str, target_g
 
 
 def _serve_and_measure(args: argparse.Namespace, log_dir: Path, plain_cmd: list[str], spec_cmd: list[str], quant: str,
-                       prompts: list[Any], prompt_ids: dict[str, list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                       env: dict[str, str], prompts: list[Any], prompt_ids: dict[str, list[int]]
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Start both llama-servers and specdec's stack at its defaults, its target at ``quant``
-    (:func:`target_env`), run every mode on every prompt, stop them all; (runs, each server's
+    (``env``: :func:`target_env`), run every mode on every prompt, stop them all; (runs, each server's
     /props or /v1/info)."""
     import httpx
 
@@ -406,7 +408,7 @@ def _serve_and_measure(args: argparse.Namespace, log_dir: Path, plain_cmd: list[
         logger.info("starting specdec's services with their default settings, the target at %s (logs in %s)",
                     quant.upper(), log_dir)
         try:
-            tport = stack.model_service("target", "target", target_env(quant))
+            tport = stack.model_service("target", "target", env)
             checkpoint()
             dport = stack.model_service("draft", "draft", {"SPECDEC_DRAFT_MODEL": "embedded"})
             checkpoint()

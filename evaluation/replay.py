@@ -32,7 +32,7 @@ from typing import Any
 
 from evaluation import report
 from evaluation.client import first_difference
-from orchestrator.controller import CostCurve
+from orchestrator.cost_fits import CostCurve
 
 logger = logging.getLogger("evaluation.replay")
 

@@ -20,7 +20,6 @@ import abc
 import math
 
 from orchestrator.controller_inputs import ALONE, Load, StepObservation
-from orchestrator.cost_fits import CostCurve  # noqa: F401  (re-exported: evaluation.replay imports it from here)
 from orchestrator.cost_model import CostModel
 
 
@@ -117,7 +116,7 @@ class CostController(Controller):
     cost of k is priced at the *expected* draft length, from the chance that a draft asked to go
     past position j - 1 went on to j (:meth:`continue_at`), counted like acceptance. Priced at k
     itself, a long k looks as dear as a draft that never stops early, and the controller chose
-    shorter drafts than fixed k = 8 on the embedded pair. While a cost is unknown the
+    too short drafts (docs/benchmarks.md, "The cost controller"). While a cost is unknown the
     controller explores; after choosing k = 0 it probes a small draft ``probe_every`` plain steps
     later so it notices when the text becomes predictable again, and twice as many plain steps
     after each probe that still leaves k = 0 the best (up to MAX_PROBE_GAP): a probe costs the

@@ -50,9 +50,9 @@ class CostCurve:
     """Running cost by size (token rows of a forward pass): a weighted running mean per size seen,
     read between sizes by linear interpolation and beyond them along the nearest segment (slope >= 0).
 
-    A straight line fits a pass's cost badly once the kernel changes with the rows: the target runs
-    1-4 rows through MKL and 5 or more through oneDNN, whose cost starts higher but grows far more
-    slowly (docs/benchmarks.md, "Verify cost by kernel"). A line through those points
+    A straight line fits a pass's cost badly once the kernel changes with the rows: without packed
+    weights the target runs 1-4 rows through MKL and 5 or more through oneDNN, whose cost starts
+    higher but grows far more slowly (docs/benchmarks.md, "Verify cost by kernel"). A line through those points
     prices every extra draft token at the steep 1-to-5-row slope and picks too short drafts.
     """
 

@@ -8,7 +8,7 @@ from orchestrator.controller_inputs import StepObservation
 
 class DraftHistory:
     """How drafts fared, per draft position: decayed counts shared by every request of a process
-    (see :class:`CostController`), so a new request starts from what the pair has been doing rather
+    (see :class:`orchestrator.controller.CostController`), so a new request starts from what the pair has been doing rather
     than from a blind prior.
 
     ``reached[j]``/``passed[j]``: steps whose draft reached position j with every token before it

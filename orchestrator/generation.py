@@ -39,9 +39,9 @@ class GenerationParams:
     confidence_threshold: float = 0.0
     ignore_eos: bool = False
     # Pre-draft the next block while this one is verified (greedy only): True always, False never,
-    # None while this is the only generation in progress (``in_progress`` of generate: under
-    # concurrency the batched passes already fill the cores, and a Verify yielding cores to one
-    # stream's pre-draft would slow everyone's).
+    # None while this is the only generation in progress and the draft computes on another host
+    # (``in_progress`` of generate: under concurrency the batched passes already fill the cores, and
+    # a Verify yielding cores to one stream's pre-draft would slow everyone's).
     overlap: bool | None = False
     # None: no logprobs; n >= 0: each emitted token's raw logprob from the target's own verify row,
     # with the n most likely tokens' (the same bits whether the token was drafted or not)

@@ -360,8 +360,7 @@ class SpeculativeRequest:
         self.controller.observe(step.observation(warm=stats.iterations > 0, draft_catch_up=catch_up))
         # The step's time split as the stream lived it: draft time is what it waited for drafts.
         overhead_ms = max(step_ms - step.draft_wait_ms - v.wall_ms, 0.0)
-        stats.record_step(len(step.new), len(step.tokens), v.num_accepted, step.draft_wait_ms, v.wall_ms,
-                          proposal.compute_ms if proposal else 0.0, v.compute_ms, overhead_ms)
+        stats.record_step(step, overhead_ms)
         now = time.perf_counter()
         model = self.params.model_name
         if stats.iterations == 1:

@@ -189,7 +189,7 @@ def _message(text: str, tool_plan: Any, finish: str) -> tuple[dict[str, Any], st
 async def _respond(runs: list[Any], request: Request, stream: bool, chat: bool, tool_plan: Any = None,
                    echo: str = ""):
     """The reply to a request's choices: the whole completion, or its event stream; a failure
-    before the choices have started frees every one's slot."""
+    before streaming starts (for a whole completion: any failure) frees every choice's slot."""
     reply = _Reply(runs, stream, chat, tool_plan, echo)
     try:
         if not stream:
@@ -243,7 +243,7 @@ class _Reply:
         stats = [result["stats"] for _, result in results]
         return {"id": self.ident, "object": self.kind, "created": self.created, "model": self.model, "choices": choices,
                 "usage": _usage([result for _, result in results]),
-                "specdec": stats[0] if len(stats) == 1 else stats}
+                "specdec": stats if self.several else stats[0]}
 
     def chunk(self, index: int, delta: str | None, finish: str | None, first: bool = False, extra: dict | None = None,
               logprobs: dict[str, Any] | None = None, calls: list[dict[str, Any]] | None = None) -> str:

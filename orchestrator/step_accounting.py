@@ -30,16 +30,17 @@ class GenerationStats:
     predrafts_dropped: int = 0  # pre-drafts cancelled or unusable (rejection, or a different bonus token)
     draft_catch_ups: int = 0  # background Proposes that brought the draft's cache up to date (steps ran plainly meanwhile)
 
-    def record_step(self, tokens: int, proposed: int, accepted: int, draft_ms: float, verify_ms: float,
-                    draft_compute_ms: float, verify_compute_ms: float, overhead_ms: float) -> None:
+    def record_step(self, step: StepInProgress, overhead_ms: float) -> None:
+        """Add one finished step (``overhead_ms``: its time outside both RPCs)."""
+        v = step.verified
         self.iterations += 1
-        self.tokens += tokens
-        self.proposed += proposed
-        self.accepted += accepted
-        self.draft_ms += draft_ms
-        self.verify_ms += verify_ms
-        self.draft_compute_ms += draft_compute_ms
-        self.verify_compute_ms += verify_compute_ms
+        self.tokens += len(step.new)
+        self.proposed += len(step.tokens)
+        self.accepted += v.num_accepted
+        self.draft_ms += step.draft_wait_ms
+        self.verify_ms += v.wall_ms
+        self.draft_compute_ms += step.draft_compute_ms
+        self.verify_compute_ms += v.compute_ms
         self.overhead_ms += overhead_ms
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,6 +93,11 @@ class StepInProgress:
     done: bool = False
     text: str = ""
 
+    @property
+    def draft_compute_ms(self) -> float:
+        """Server-side compute of the step's Propose (0 without one)."""
+        return self.proposal.compute_ms if self.proposal else 0.0
+
     def observation(self, warm: bool, draft_catch_up: int) -> StepObservation:
         """What the controller learns from this step (the only place one is made): ``warm`` is
         False for the first step (its cost is the prompt's prefill); ``draft_catch_up``: tokens the
@@ -99,7 +105,7 @@ class StepInProgress:
         v, proposal = self.verified, self.proposal
         return StepObservation(
             k=self.k, proposed=len(self.tokens), accepted=v.num_accepted, draft_ms=self.draft_ms, verify_ms=v.wall_ms,
-            draft_compute_ms=proposal.compute_ms if proposal else 0.0, warm=warm, draft_catch_up=draft_catch_up,
+            draft_compute_ms=self.draft_compute_ms, warm=warm, draft_catch_up=draft_catch_up,
             verify_rows=v.batch_rows, verify_sessions=v.batch_sessions,
             draft_sessions=proposal.batch_sessions if proposal else 1.0,
             verify_cpu_ms=v.step_cpu_ms, draft_step_cpu_ms=proposal.step_cpu_ms if proposal else 0.0,
@@ -117,7 +123,7 @@ class StepInProgress:
             next_token_prob=v.next_token_prob, tokens=self.new, text=self.text, draft_ms=self.draft_wait_ms,
             logprobs=[TokenLogprob(logprob=lp, top_ids=ids, top_logprobs=lps)
                       for lp, ids, lps in v.logprobs[:len(self.new)]] if v.logprobs is not None else None,
-            verify_ms=v.wall_ms, draft_compute_ms=proposal.compute_ms if proposal else 0.0,
+            verify_ms=v.wall_ms, draft_compute_ms=self.draft_compute_ms,
             verify_compute_ms=v.compute_ms, overhead_ms=overhead_ms,
             draft_stop_reason=proposal.stop_reason if proposal else "", draft_error=self.draft_error,
             batch_sessions=v.batch_sessions, batch_rows=v.batch_rows,

@@ -329,6 +329,7 @@ class TargetEngine:
         forward request) of the greedy jobs that share this pass, and of the sampling jobs that each
         get a pass alone (chunked as if nothing else waited: their output must not depend on the load)."""
         sessions: dict[str, Session] = {}
+        sequences: dict[int, list[int]] = {}
         needs: list[Need] = []
         for i, job in enumerate(jobs):
             if job.session_id in sessions:
@@ -337,14 +338,15 @@ class TargetEngine:
                 session = sessions[job.session_id] = self.lm.session(job.session_id, keep=sessions)
             except SessionsFull:
                 continue
-            sequence = job.tokens + job.draft
+            sequence = sequences[i] = job.tokens + job.draft
             needs.append(Need(i, self.lm.kv.reusable(session, sequence, len(job.draft) + 1), len(sequence),
                               len(job.draft) + 1, alone=not job.sampling.greedy))
         step = plan(needs, self.budget)
 
         def request(slot: Slot) -> tuple[int, ForwardRequest]:
-            job = jobs[slot.index]
-            return slot.index, ForwardRequest(sessions[job.session_id], (job.tokens + job.draft)[:slot.end], slot.logits)
+            sequence = sequences[slot.index]
+            tokens = sequence if slot.end == len(sequence) else sequence[:slot.end]
+            return slot.index, ForwardRequest(sessions[jobs[slot.index].session_id], tokens, slot.logits)
 
         return [request(s) for s in step.shared], [request(s) for s in step.alone]
 

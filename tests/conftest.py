@@ -24,6 +24,14 @@ def pytest_configure(config) -> None:
                                 "only be skipped. Run make test-gpu on a machine with an NVIDIA GPU and a CUDA build of torch.")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test on the embedded model is marked so, whether it says so or only asks for its fixtures
+    (``make test-fast`` leaves them out)."""
+    for item in items:
+        if {"embedded_stack", "embedded_target"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.embedded)
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Kill every service a test started that is still running, whatever failed on the way."""
     for proc in Proc.started:
@@ -61,12 +69,22 @@ def tiny_ggufs(tmp_path_factory) -> dict[str, Path]:
     from tests.support import make_bpe_model
 
     root, cache = tmp_path_factory.mktemp("gguf-targets"), tmp_path_factory.mktemp("gguf-target-cache")
-    out = {}
-    for arch, types in (("llama", GGUF_TARGET_TYPES), ("gpt2", ("q8_0", "q4_k_m"))):
-        folder = make_bpe_model(root / arch, arch, seed=3, hidden=256)
-        for quant in types:
-            out[f"{arch}-{quant}"] = ensure_gguf(str(folder), quant, cache)
-    return out
+    types = {"llama": GGUF_TARGET_TYPES, "gpt2": ("q8_0", "q4_k_m")}
+    folders: dict[str, Path] = {}
+
+    class Converted(dict):
+        """Each file converted when a test first asks for it (a run converts only what it uses)."""
+
+        def __missing__(self, key: str) -> Path:
+            arch, quant = key.split("-", 1)
+            if quant not in types.get(arch, ()):
+                raise KeyError(key)
+            if arch not in folders:
+                folders[arch] = make_bpe_model(root / arch, arch, seed=3, hidden=256)
+            self[key] = ensure_gguf(str(folders[arch]), quant, cache)
+            return self[key]
+
+    return Converted()
 
 
 @pytest.fixture(scope="module")

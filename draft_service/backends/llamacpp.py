@@ -81,11 +81,13 @@ class _SeqSlot:
         self.capacity = tokens
 
     def crop(self, length: int) -> None:
-        self._owner._ctx.kv_cache_seq_rm(self.seq, length, -1)
-        self.length = min(self.length, length)
+        if length < self.length:
+            self._owner._ctx.kv_cache_seq_rm(self.seq, length, -1)
+            self.length = length
 
     def commit(self, length: int) -> None:
-        self._owner._ctx.kv_cache_seq_rm(self.seq, length, -1)  # decoded past it (a guess not taken)
+        if length < self.capacity:  # decoded past it: a guess not taken
+            self._owner._ctx.kv_cache_seq_rm(self.seq, length, -1)
         self.length = self.capacity = length
 
     def clear(self) -> None:
@@ -238,7 +240,7 @@ class LlamaCppProposer(Proposer):
                     step.outcomes[p.index] = jobs[p.index].proposal()
         return StepResult(step.outcomes, len(passes), sum(p.end - p.cached + len(p.guess) for p in passes))
 
-    def _open(self, step: DraftPlan, jobs: list[ProposeJob]) -> list[_Planned]:
+    def _open(self, step: DraftPlan, jobs: list[ProposeJob]) -> list[Planned]:
         """Each planned job's sequence opened in the KV manager (room for its rows and guess), in
         plan order; a job refused room gets its error and leaves the step."""
         pinned = {p.session.session_id for p in step.planned}
@@ -256,10 +258,11 @@ class LlamaCppProposer(Proposer):
                 step.outcomes[p.index] = exc
                 continue
             used += len(guess)
-            passes.append(_Planned(p, guess))
+            p.guess = guess
+            passes.append(p)
         return passes
 
-    def _finish(self, job: ProposeJob, p: _Planned, rows: list[torch.Tensor], batch_sessions: int) -> bool:
+    def _finish(self, job: ProposeJob, p: Planned, rows: list[torch.Tensor], batch_sessions: int) -> bool:
         """Draft from a job's decoded rows and commit what its sequence keeps; True when the job is done."""
         if job.cached_tokens < 0:
             job.cached_tokens = p.cached
@@ -302,7 +305,7 @@ class LlamaCppProposer(Proposer):
             self._ll.llama_set_n_threads(self._ctx.ctx, n, n)
             self._threads_now = n
 
-    def _decode_groups(self, plan: list[_Planned], jobs: list[ProposeJob]) -> list[list[torch.Tensor]]:
+    def _decode_groups(self, plan: list[Planned], jobs: list[ProposeJob]) -> list[list[torch.Tensor]]:
         """Greedy jobs share one decode; each sampling job is decoded on its own. llama.cpp's batched
         kernels change a sequence's logits with the batch around it, which never changes a greedy
         output but would make a seeded sampling request's draws, and so its output, depend on the load."""
@@ -314,15 +317,17 @@ class LlamaCppProposer(Proposer):
                 logits[p.index] = rows
         return [logits[p.index] for p in plan]
 
-    def _decode(self, plan: list[_Planned]) -> list[list[torch.Tensor]]:
+    def _decode(self, plan: list[Planned]) -> list[list[torch.Tensor]]:
         """Decode each planned sequence's new tokens and guess (at their positions, in their own
         sequence); return, per sequence, the logits after its last token and after each guessed one
         (none for a prefill chunk)."""
         rows = [(p.session.cache.seq, tok, pos, p.logits > 0 and pos >= p.end - 1)
                 for p in plan for pos, tok in enumerate(p.sequence[p.cached:p.end] + p.guess, start=p.cached)]
+        if len(rows) > self.n_batch:  # the planner and _open keep a pass within it; never write past the batch
+            raise RuntimeError(f"a decode of {len(rows)} rows, over the batch of {self.n_batch}")
         b = self._batch.batch
         wanted: list[int] = []
-        for i, (slot, tok, pos, last) in enumerate(rows):  # the planner keeps a pass within n_batch
+        for i, (slot, tok, pos, last) in enumerate(rows):
             b.token[i] = tok
             b.pos[i] = pos
             b.seq_id[i][0] = slot
@@ -347,13 +352,3 @@ class LlamaCppProposer(Proposer):
         ptr = self._ll.llama_get_logits_ith(self._ctx.ctx, row)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
 
-
-class _Planned:
-    """A planned job's part of a decode (draft_service.proposer.Planned) and the guess decoded after it."""
-
-    __slots__ = ("index", "session", "sequence", "cached", "end", "logits", "guess")
-
-    def __init__(self, planned: Planned, guess: list[int]) -> None:
-        self.index, self.session, self.sequence = planned.index, planned.session, planned.sequence
-        self.cached, self.end, self.logits = planned.cached, planned.end, planned.logits
-        self.guess = guess

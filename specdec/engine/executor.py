@@ -95,7 +95,6 @@ class Executor:
         layers, kv_heads, head_dim = self.geometry
         self.kv = KVManager(store, self._new_kv, 2 * layers * kv_heads * head_dim * param.element_size(),
                             max_context_of(model.config))
-        self.store = store
         self._warm_up()
 
     @property

@@ -11,7 +11,7 @@ and grown) and, after the forward, :meth:`~KVManager.commit` (what the cache now
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from specdec.engine.sessions import Session, SessionStore, common_prefix_len
@@ -55,6 +55,7 @@ class KVManager:
         self.new_cache = new_cache
         self.bytes_per_token = bytes_per_token
         self.model_max_context = model_max_context
+        self._on_evict = store.on_evict  # the store's own callback, if it had one, still runs
         store.on_evict = self._evicted
 
     @property
@@ -71,10 +72,10 @@ class KVManager:
             session.cache = self.new_cache()
         return session
 
-    def reusable(self, session: Session, tokens: Sequence[int], recompute: int) -> int:
+    def reusable(self, session: Session, tokens: list[int], recompute: int) -> int:
         """Leading tokens of ``tokens`` the session's cache holds, less enough that the last
         ``recompute`` (those whose logits are wanted) are computed again."""
-        held = min(common_prefix_len(session.tokens, list(tokens)), session.cache.length)
+        held = min(common_prefix_len(session.tokens, tokens), session.cache.length)
         return max(0, min(held, len(tokens) - recompute))
 
     def open(self, session: Session, tokens: list[int], cached: int, pinned: Collection[str] = (),
@@ -99,11 +100,9 @@ class KVManager:
         session.cache.clear()
         self.store.reset(session)
 
-    def release(self, session_id: str) -> bool:
-        return self.store.release(session_id)
-
-    @staticmethod
-    def _evicted(session: Session) -> None:
+    def _evicted(self, session: Session) -> None:
         if session.cache is not None:
             session.cache.free()
             session.cache = None
+        if self._on_evict is not None:
+            self._on_evict(session)

@@ -88,11 +88,6 @@ class Plan:
     def slots(self) -> list[Slot]:
         return self.shared + self.alone
 
-    def rows(self, needs: Sequence[Need]) -> int:
-        """Rows the plan computes (``needs``: those it was planned from)."""
-        cached = {n.index: n.cached for n in needs}
-        return sum(s.end - cached[s.index] for s in self.slots)
-
 
 def _whole(need: Need) -> Slot:
     return Slot(need.index, need.length, need.final)

@@ -68,10 +68,9 @@ class SessionStore:
     """
 
     @classmethod
-    def from_settings(cls, settings: ModelServiceSettings, *,
-                      on_evict: Callable[[Session], None] | None = None) -> SessionStore:
+    def from_settings(cls, settings: ModelServiceSettings) -> SessionStore:
         """The store a model service's settings ask for (``max_sessions``, ``kv_budget_mb``, ``session_ttl_s``)."""
-        return cls(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s, on_evict=on_evict)
+        return cls(settings.max_sessions, settings.kv_budget_bytes, settings.session_ttl_s)
 
     def __init__(
         self,

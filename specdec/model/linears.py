@@ -314,11 +314,6 @@ def _linear_weight(module: Any) -> torch.Tensor | None:
     return weight if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
 
 
-def fast_linears(model: Any, pack: bool = True, native: bool = True) -> FastLinears:
-    """The model's fast linear layers (see :class:`FastLinears`); the first call wraps them."""
-    return FastLinears.of(model, pack, native)
-
-
 class _ActiveScope:
     def __init__(self, local: threading.local) -> None:
         self._local = local

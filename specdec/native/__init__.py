@@ -43,11 +43,6 @@ logger = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent
 SOURCE = FOLDER / "kernels.c"
-# kernels.c's companions, one library: the fp32 kernels (norms and the gate, attention, linears), the
-# quantised linears' driver, one file per GGUF format, the headers they share
-PARTS = ("rowwise.c", "attention.c", "linear.c", "quant.c", "q4_0.c", "q4_1.c", "q5_0.c", "q5_1.c", "q8_0.c",
-         "q4_k.c", "q5_k.c", "q6_k.c")
-HEADERS = ("common.h", "kernels.h", "quant.h", "kquant.h")
 FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=fast", "-std=gnu11", "-Wall", "-Werror", "-Wno-psabi")
 SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
 DISABLE_ENV = "SPECDEC_NATIVE"  # "0": never build or load (the runner keeps its torch ops)
@@ -120,12 +115,20 @@ def compiler() -> str:
     return path
 
 
+def _companions(folder: Path, source: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.[ch]") if p.name != source.name)
+
+
 def sources(source: Path | None = None) -> list[Path]:
     """The files of one build: ``source`` (kernels.c, or another version of it), then its
-    companions (:data:`PARTS`, :data:`HEADERS`) from the same folder where they are there, else
-    from this package."""
+    companions (the other C files and headers of one library): those of its own folder when that
+    holds C files of its own (another version's specdec/native, split the same way or not), else
+    this package's (a lone kernels.c copied elsewhere)."""
     source = source or SOURCE
-    return [source] + [source.parent / n if (source.parent / n).is_file() else FOLDER / n for n in PARTS + HEADERS]
+    own = _companions(source.parent, source)
+    if not any(p.suffix == ".c" for p in own):
+        own = _companions(FOLDER, SOURCE)
+    return [source, *own]
 
 
 def library_name(source: Path | None = None, flags: tuple[str, ...] = FLAGS) -> str:

@@ -418,3 +418,56 @@ def test_llamacpp_sampling_drafts_count_against_the_decode_batch():
             outcomes[i] = o
     assert max(rows) <= 64, rows
     assert [p.tokens for p in outcomes] == [p.tokens for p in alone]
+
+
+def _long_prompt(n: int) -> list[int]:
+    return [(7 * j) % 40 + 2 for j in range(n)]
+
+
+def test_a_drafts_long_prompt_is_prefilled_in_chunks_and_drafts_as_whole(tiny_models):
+    """The draft plans with the target's planner: a prompt past the row budget is prefilled over
+    several steps (no pass over the budget, no logits before the last chunk), beside a short
+    draft that keeps getting a token every step, and drafts what an unchunked prefill drafts."""
+    from draft_service.backends.hf import TransformersProposer
+    from specdec.engine.planner import Budget
+
+    loaded = load_hf(tiny_models["llama-draft"])
+    prompt = _long_prompt(80)  # the tiny models' context is 96
+    whole = TransformersProposer(loaded, SessionStore(16, 1 << 30, 0), 8, budget=Budget(256)).propose("w", prompt, 4, 0.0)
+    proposer = TransformersProposer(loaded, SessionStore(16, 1 << 30, 0), 8, budget=Budget(24))
+    jobs = [proposer.prepare("long", prompt, 4, 0.0), proposer.prepare("short", PROMPTS[0], 4, 0.0)]
+    outcomes, rows = [PENDING, PENDING], []
+    while PENDING in outcomes:
+        open_ = [i for i, o in enumerate(outcomes) if o is PENDING]
+        result = proposer.step([jobs[i] for i in open_])
+        rows.append(result.rows)
+        for i, o in zip(open_, result.outcomes, strict=True):
+            outcomes[i] = o
+    assert max(rows) <= 24 and len(rows) > 4, rows  # 80 rows of prefill, at most 24 a step
+    assert outcomes[0].tokens == whole.tokens and outcomes[0].steps == 4  # drafting steps only
+    assert outcomes[1].tokens == proposer.propose("again", PROMPTS[0], 4, 0.0).tokens
+
+
+@pytest.mark.embedded
+def test_llamacpp_long_prompt_is_prefilled_in_chunks_and_drafts_as_whole():
+    from draft_service.backends.llamacpp import LlamaCppProposer
+    from specdec.engine.planner import Budget
+    from specdec.models import embedded_gguf_path, load_tokenizer
+
+    # text the model continues with confidence: llama.cpp sums a 40-row chunk in another order than
+    # a 160-row pass, which moves near-ties (a draft that differs there is only slower, never wrong)
+    text = " ".join(["one, two, three, four, five, six, seven, eight, nine, ten."] * 8)
+    prompt = load_tokenizer(str(embedded_gguf_path())).encode(text)
+    whole = LlamaCppProposer(str(embedded_gguf_path()), 4, 64 << 20, 0, 16, lookup_ngram=0).propose("w", prompt, 4)
+    proposer = LlamaCppProposer(str(embedded_gguf_path()), 4, 64 << 20, 0, 16, lookup_ngram=0, budget=Budget(40))
+    job, rows = proposer.prepare("c", prompt, 4), []
+    outcome = PENDING
+    while outcome is PENDING:
+        result = proposer.step([job])
+        rows.append(result.rows)
+        outcome = result.outcomes[0]
+    assert max(rows) <= 40 and len(rows) >= len(prompt) // 40 + 1, rows
+    assert outcome.tokens == whole.tokens and outcome.cached_tokens == 0
+    again = proposer.propose("c", prompt + outcome.tokens[:2], 2)  # the chunks left the sequence whole
+    assert again.cached_tokens == len(prompt) + 1
+

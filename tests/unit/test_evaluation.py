@@ -472,7 +472,6 @@ def test_batchcost_times_another_build_of_the_kernels_against_this_one(tmp_path,
         batchcost.main([*argv[:-4], "--native-against", str(broken), "--out", str(tmp_path / "out2")])
 
 
-@pytest.mark.slow
 def test_a_copy_loaded_on_another_build_packs_and_runs_on_it(tiny_models, tmp_path, native_linears):
     """What ``--native-against`` times: a copy of the model loaded inside batchcost.built_on(build)
     has every linear and the runner's own kernels on that build; a build of a kernels.c without

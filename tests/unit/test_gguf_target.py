@@ -26,6 +26,13 @@ def gguf_engine(path, max_draft_tokens: int = MAX_K) -> TargetEngine:
                         max_draft_tokens=max_draft_tokens, gguf=gguf)
 
 
+def test_verification_equals_plain_decoding_on_a_quantised_file(tiny_ggufs):
+    """The every-type check below on one type, shorter (make test-slow runs every type)."""
+    engine = gguf_engine(tiny_ggufs["llama-q8_0"])
+    assert engine.lm.fast_linears.quantised == engine.lm.fast_linears.count
+    check(engine, prompts=40, n=24, max_prompt=40, seed=13)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", GGUF_TARGET_TYPES)
 def test_verification_equals_plain_decoding_on_every_type(tiny_ggufs, quant):

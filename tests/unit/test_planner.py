@@ -18,7 +18,6 @@ def test_decode_sized_work_shares_the_pass_in_order():
     needs = [verify(0, 99, 100), verify(1, 49, 50), verify(2, 9, 10)]
     step = plan(needs, Budget(256))
     assert step.shared == [Slot(0, 104, 5), Slot(1, 54, 5), Slot(2, 14, 5)] and step.alone == []
-    assert step.rows(needs) == 15
 
 
 def test_a_long_prefill_is_chunked_with_what_is_left_and_gets_no_logits():
@@ -38,6 +37,9 @@ def test_a_chunk_never_reaches_the_rows_that_want_logits():
     assert step.shared == [Slot(0, 256, 0)]
     step = plan([verify(0, 256, 300, draft=4)], Budget(256))
     assert step.shared == [Slot(0, 304, 5)]
+    # the budget would hold the whole prefill but for the 5 rows wanting logits: it stops before them
+    step = plan([verify(0, 0, 254, draft=4)], Budget(256, verify_rows=8))
+    assert step.shared == [Slot(0, 253, 0)]
 
 
 def test_shared_prefill_rows_caps_a_chunk_only_beside_decoding_sessions():
