@@ -30,7 +30,7 @@ def test_verification_equals_plain_decoding_on_a_quantised_file(tiny_ggufs):
     """The every-type check below on one type, shorter (make test-slow runs every type)."""
     engine = gguf_engine(tiny_ggufs["llama-q8_0"])
     assert engine.lm.fast_linears.quantised == engine.lm.fast_linears.count
-    check(engine, prompts=40, n=24, max_prompt=40, seed=13)
+    check(engine, prompts=24, n=24, max_prompt=40, seed=13)
 
 
 @pytest.mark.slow
@@ -54,7 +54,8 @@ def test_a_gpt2_file_verifies_exactly_too(tiny_ggufs, quant):
 
 
 def test_info_names_the_file_type(tiny_ggufs):
-    for quant, name in (("q8_0", "Q8_0"), ("q4_k_m", "Q4_K_M"), ("q4_0", "Q4_0"), ("f16", "F16")):
+    """(Every other type's name: the every-type check in make test-slow.)"""
+    for quant, name in (("q8_0", "Q8_0"), ("f16", "F16")):
         assert gguf_engine(tiny_ggufs[f"llama-{quant}"]).info().dtype == name
 
 
